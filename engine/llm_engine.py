@@ -1,0 +1,143 @@
+"""The colocated engine: one process owns the weights, the KV pool, the scheduler and the runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+import torch
+
+from engine.block_pool import BlockPool
+from engine.config import EngineConfig
+from engine.kv_manager import KVCacheManager, cdiv
+from engine.loader import LoadedModel, load_model
+from engine.model import CausalLM
+from engine.runner import ModelRunner
+from engine.sampler import make_generator
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import FinishReason, Sequence
+
+log = structlog.get_logger(__name__)
+
+
+@dataclass(slots=True)
+class StepOutput:
+    """What one step produced for one request: its new token (if any) and whether it finished."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    steps: int = 0
+    tokens_computed: int = 0
+    preemptions: int = 0
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def kv_block_bytes(model: CausalLM, block_size: int) -> int:
+    cfg = model.config
+    itemsize = model.embed.element_size()
+    return cfg.num_hidden_layers * 2 * block_size * cfg.num_key_value_heads * cfg.head_dim * itemsize
+
+
+class LLMEngine:
+    """Single-threaded step loop over a colocated prefill+decode engine.
+
+    `add_request` validates and queues; `step` runs one scheduler step and returns per-request
+    outputs. Finished and aborted requests have already released every KV block when they are
+    reported.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.device = torch.device(config.device)
+        model_cfg = loaded.config
+        self.model = CausalLM(model_cfg, loaded.weights)
+        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        config.max_model_len = self.max_model_len
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_memory_bytes // kv_block_bytes(self.model, config.block_size)
+        )
+        self.pool = BlockPool(num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.pool, loaded.identity, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, model_cfg.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.kv, num_blocks, model_cfg.eos_token_ids, self.device)
+        self.stats = EngineStats()
+        self._requests: dict[str, Sequence] = {}
+        log.info("engine ready", model=str(loaded.model_dir), identity=loaded.identity[:12],
+                 num_blocks=num_blocks, block_size=config.block_size)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        config = config or EngineConfig()
+        return cls(load_model(model_dir, dtype=config.torch_dtype, device=config.device), config)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the limit when the request can never run on this engine."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: send at least one token")
+        vocab = self.loaded.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if n + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length {self.max_model_len}; shorten the prompt or lower max_tokens"
+            )
+        if cdiv(n + params.max_tokens, self.pool.block_size) > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt + max_tokens needs more KV blocks than this engine has ({self.pool.num_blocks})"
+            )
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self.validate(prompt_token_ids, params)
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if params.seed is not None:
+            seq.generator = make_generator(params.seed, self.device)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self.scheduler.abort(request_id)
+        self._requests.pop(request_id, None)
+        return seq is not None
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StepOutput]:
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if not out.scheduled:
+            return []
+        result = self.runner.execute(out)
+        finished = set(self.scheduler.update(out, result.sampled))
+        self.stats.steps += 1
+        self.stats.tokens_computed += out.num_tokens
+        outputs = []
+        for seq, (token, logprob) in result.sampled.items():
+            done = seq in finished
+            if done:
+                del self._requests[seq.request_id]
+            outputs.append(
+                StepOutput(seq.request_id, [token], [logprob], [result.top_logprobs.get(seq, [])],
+                           done, seq.finish_reason, seq.num_cached_tokens)
+            )
+        if self.config.debug_integrity:
+            self.pool.check_integrity()
+        return outputs

@@ -1,0 +1,187 @@
+"""Load a local Hugging Face checkpoint directory: config, safetensors weights, tokenizer, identity.
+
+Nothing here touches the network: the directory must hold config.json, either `model.safetensors` or
+`model.safetensors.index.json` plus its shards, and the tokenizer files AutoTokenizer reads.
+
+The model identity is a SHA-256 hex digest over, in order, each safetensors file (sorted by name), then
+tokenizer.json, tokenizer_config.json (which holds the chat template), chat_template.jinja and
+config.json where present; each part is framed by its file name and byte length. It depends only on
+file bytes, so every process that loads the same directory computes the same identity.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from engine.model_config import ModelConfig
+
+log = structlog.get_logger(__name__)
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
+_CHUNK = 1 << 22
+# tensors some checkpoints carry that no supported model has as a parameter
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+@dataclass
+class LoadedModel:
+    """A checkpoint in memory. The caller owns the tensors; nothing here keeps a reference to them.
+
+    `weights` uses Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) exactly
+    as `config.parameter_shapes()` lists them: `lm_head.weight` is absent when embeddings are tied.
+    """
+
+    config: ModelConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Any  # transformers PreTrainedTokenizerFast
+    chat_template: str | None
+    identity: str
+    model_dir: Path
+
+
+def load_model(
+    model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
+    """Load config, weights (floating tensors cast to `dtype`, all moved to `device`) and tokenizer.
+
+    Each safetensors file is read once; the identity is hashed from those same bytes.
+    Raises FileNotFoundError for missing files and ValueError for an unsupported or inconsistent
+    checkpoint (the message names the file, architecture or tensors).
+    """
+    from safetensors.torch import load as load_safetensors
+
+    model_dir = _existing_dir(model_dir)
+    config = load_config(model_dir)
+    hasher = _IdentityHasher()
+    raw: dict[str, torch.Tensor] = {}
+    for shard in shard_files(model_dir):
+        data = shard.read_bytes()
+        hasher.section(shard.name, len(data), [data])
+        raw.update(load_safetensors(data))
+        del data
+    hasher.small_files(model_dir)
+    _check_names(config, raw, model_dir)
+    weights = {}
+    for name in list(raw):
+        tensor = raw.pop(name)
+        weights[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    tokenizer = load_tokenizer(model_dir)
+    template = tokenizer.chat_template
+    if isinstance(template, dict):  # named templates: the engine serves the default one
+        template = template.get("default")
+    identity = hasher.hexdigest()
+    log.info("model loaded", model_dir=str(model_dir), architecture=config.architecture, identity=identity)
+    return LoadedModel(config, weights, tokenizer, template, identity, model_dir)
+
+
+def load_config(model_dir: str | Path) -> ModelConfig:
+    """Parse config.json; end-of-sequence ids from generation_config.json are added to the config's."""
+    model_dir = _existing_dir(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{model_dir}: no config.json (not a Hugging Face checkpoint directory)")
+    try:
+        config = ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    except ValueError as exc:
+        raise ValueError(f"{path}: {exc}") from exc
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.is_file():
+        extra = json.loads(gen_path.read_text()).get("eos_token_id")
+        extra_ids = extra if isinstance(extra, list) else [] if extra is None else [extra]
+        merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra_ids]))
+        config = replace(config, eos_token_ids=merged)
+    return config
+
+
+def load_tokenizer(model_dir: str | Path) -> Any:
+    """The checkpoint's tokenizer via transformers' AutoTokenizer, from local files only."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(_existing_dir(model_dir)), local_files_only=True)
+
+
+def model_identity(model_dir: str | Path) -> str:
+    """The identity `load_model` would report, computed by streaming the files (no tensors built)."""
+    model_dir = _existing_dir(model_dir)
+    hasher = _IdentityHasher()
+    for shard in shard_files(model_dir):
+        with shard.open("rb") as f:
+            hasher.section(shard.name, shard.stat().st_size, iter(lambda: f.read(_CHUNK), b""))
+    hasher.small_files(model_dir)
+    return hasher.hexdigest()
+
+
+def shard_files(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files, sorted by name."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} names shard files that do not exist: {missing}")
+        return [model_dir / n for n in names]
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    raise FileNotFoundError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+class _IdentityHasher:
+    """SHA-256 over framed sections: `name NUL length NUL bytes` per file."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+
+    def section(self, name: str, size: int, chunks: Iterable[bytes]) -> None:
+        self._sha.update(f"{name}\0{size}\0".encode())
+        seen = 0
+        for chunk in chunks:
+            self._sha.update(chunk)
+            seen += len(chunk)
+        if seen != size:
+            raise OSError(f"{name} changed size while being hashed ({size} -> {seen} bytes)")
+
+    def small_files(self, model_dir: Path) -> None:
+        for name in _IDENTITY_FILES:
+            path = model_dir / name
+            if path.is_file():
+                data = path.read_bytes()
+                self.section(name, len(data), [data])
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+def _existing_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist or is not a directory")
+    return path
+
+
+def _check_names(config: ModelConfig, raw: dict[str, torch.Tensor], model_dir: Path) -> None:
+    """Drop tensors the model does not use; raise if any parameter is missing, unexpected or misshapen."""
+    for name in [n for n in raw if n.endswith(_IGNORED_SUFFIXES)]:
+        del raw[name]
+    if config.tie_word_embeddings and raw.pop("lm_head.weight", None) is not None:
+        log.info("dropped lm_head.weight of a tied checkpoint", model_dir=str(model_dir))
+    expected = config.parameter_shapes()
+    problems = []
+    if missing := sorted(expected.keys() - raw.keys()):
+        problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if unexpected := sorted(raw.keys() - expected.keys()):
+        problems.append(f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    wrong = [f"{n} {tuple(raw[n].shape)} != {s}" for n, s in expected.items() if n in raw and raw[n].shape != s]
+    if wrong:
+        problems.append(f"shape mismatches {wrong[:5]}")
+    if problems:
+        raise ValueError(f"{model_dir} ({config.architecture}): " + "; ".join(problems))

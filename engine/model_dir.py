@@ -1,0 +1,40 @@
+"""Resolve a `--model` argument: a checkpoint directory, or `tiny[:SHAPE]` for a built-in tiny model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+DEFAULT_TINY_SHAPE = "llama-2l"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+
+
+def resolve_model_dir(spec: str | Path) -> Path:
+    """Return a directory holding a Hugging Face checkpoint.
+
+    `tiny` or `tiny:SHAPE` builds the deterministic tiny checkpoint once into the cache directory
+    (`$SPLITSERVE_CACHE`, default `~/.cache/splitserve`) and reuses it; anything else must be an
+    existing directory.
+    """
+    text = str(spec)
+    if text == "tiny" or text.startswith("tiny:"):
+        from engine.tiny import make_tiny_model
+
+        shape = text.partition(":")[2] or DEFAULT_TINY_SHAPE
+        target = cache_dir() / f"tiny-{shape}"
+        if not (target / "config.json").exists():
+            staging = target.with_name(f"{target.name}.tmp{os.getpid()}")
+            make_tiny_model(staging, shape=shape)
+            try:
+                staging.rename(target)
+            except OSError:  # another process built it first; theirs is byte-identical
+                shutil.rmtree(staging)
+        return target
+    path = Path(text)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory {path} does not exist (or pass 'tiny' for the built-in model)")
+    return path

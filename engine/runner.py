@@ -1,0 +1,118 @@
+"""Turns a scheduler output into one model step: metadata tensors, forward, sampling."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.kv_manager import KVCacheManager
+from engine.model import CausalLM
+from engine.sampler import Sampler, SamplingBatch
+from engine.scheduler import SchedulerOutput
+from engine.sequence import Sequence
+from engine.step_context import StepContext
+
+
+@dataclass(slots=True)
+class StepResult:
+    """Sampled token and its logprob for each sequence that sampled this step."""
+
+    sampled: dict[Sequence, tuple[int, float]]
+    top_logprobs: dict[Sequence, list[tuple[int, float]]]
+
+
+class ModelRunner:
+    """Owns the worker's KV cache tensor (allocated once) and runs steps on it.
+
+    Activations live only inside `execute`; the KV cache outlives every step. Not thread-safe: one
+    step at a time.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        kv: KVCacheManager,
+        num_blocks: int,
+        eos_token_ids: tuple[int, ...],
+        device: torch.device,
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler()
+        self.kv_cache = torch.zeros(
+            num_blocks,
+            cfg.num_hidden_layers,
+            2,
+            kv.block_size,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            dtype=model.embed.dtype,
+            device=device,
+        )
+
+    def prepare(self, out: SchedulerOutput) -> StepContext:
+        """Flatten the scheduled chunks into the step's metadata (one host-to-device copy per field)."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        cu = [0]
+        sample_indices: list[int] = []
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(self.kv.slot(seq, p) for p in range(start, end))
+            seq_lens.append(end)
+            cu.append(cu[-1] + item.num_new_tokens)
+            if item.samples:
+                sample_indices.append(cu[-1] - 1)
+        width = max(len(item.seq.block_table) for item in out.scheduled)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in out.scheduled]
+
+        def t(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=self.device)
+
+        return StepContext(
+            input_ids=t(input_ids, torch.int64),
+            positions=t(positions, torch.int64),
+            slot_mapping=t(slots, torch.int64),
+            block_tables=t(tables, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            cu_seqlens_q=t(cu, torch.int32),
+            sample_indices=t(sample_indices, torch.int64),
+            is_decode_only=len(input_ids) == len(out.scheduled),
+        )
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        ctx = self.prepare(out)
+        logits = self.model.forward(ctx, self.kv_cache)
+        samplers = [item.seq for item in out.scheduled if item.samples]
+        if not samplers:
+            return StepResult({}, {})
+        batch = SamplingBatch.build(
+            params=[s.params for s in samplers],
+            generators=[s.generator for s in samplers],
+            prompt_ids=[s.prompt_token_ids for s in samplers],
+            output_ids=[s.output_token_ids for s in samplers],
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=logits.shape[-1],
+            device=self.device,
+        )
+        result = self.sampler(logits, batch)
+        tokens = result.token_ids.tolist()  # the step's one device-to-host sync
+        logprobs = result.logprobs.tolist()
+        sampled = {s: (tok, lp) for s, tok, lp in zip(samplers, tokens, logprobs, strict=True)}
+        top: dict[Sequence, list[tuple[int, float]]] = {}
+        if result.top_ids is not None and result.top_logprobs is not None:
+            ids, vals = result.top_ids.tolist(), result.top_logprobs.tolist()
+            for row, s in enumerate(samplers):
+                if s.params.logprobs:
+                    k = s.params.logprobs
+                    top[s] = list(zip(ids[row][:k], vals[row][:k], strict=True))
+        return StepResult(sampled, top)

@@ -1,0 +1,149 @@
+"""Attention over the paged KV cache: decode (one query per sequence) and varlen prefill.
+
+Shapes (T new tokens over B sequences, Hq query heads, Hkv kv heads, D head dim):
+- ``q``: ``[B, Hq, D]`` (decode) or ``[T, Hq, D]`` (prefill; sequence b's tokens are
+  rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``).
+- ``k_cache``/``v_cache``: one layer's ``[num_blocks, block_size, Hkv, D]`` strided views.
+- ``block_tables``: ``[B, max_blocks]`` int32; entries past a sequence's last block
+  are never read (any value, -1 included).
+- ``seq_lens``: ``[B]`` int32, kv tokens of each sequence INCLUDING the new ones, whose
+  KV must already be in the cache (``write_kv_slots`` first).
+Query head ``i`` attends with kv head ``i // (Hq // Hkv)`` (GQA). New token ``j`` of
+sequence b sits at position ``seq_lens[b] - q_len_b + j`` and sees keys ``0..`` that
+position (causal). Softmax and accumulation run in float32; the output has q's dtype.
+
+The torch references are the CPU forward path, not only test oracles: they gather the
+block tables into padded K/V and call one ``scaled_dot_product_attention`` per layer.
+They read the unused tail of each sequence's last block (masked out), so the cache must
+hold finite values there: allocate it with ``torch.zeros``, never ``torch.empty`` (a NaN
+would survive the mask as 0 * NaN). The Triton kernels never read those slots.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention: one new token per sequence; returns ``[B, Hq, D]``."""
+    if use_triton(q):
+        from kernels.attention_triton import paged_attention_triton
+
+        cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+        return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1)
+    return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of new tokens over their paged prefix; returns ``[T, Hq, D]``.
+
+    Serves mixed batches: a decode token is a sequence with one new token.
+    ``max_query_len`` (the largest ``q_len_b``) spares a device sync when given.
+    """
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
+    if use_triton(q):
+        from kernels.attention_triton import paged_attention_triton
+
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
+        )
+    return paged_prefill_attention_ref(
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
+    )
+
+
+def _gather_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded ``[B, Hkv, L, D]`` K and V (L = max seq len) and the ``[B, L]`` valid-key mask."""
+    num_seqs, block_size = seq_lens.numel(), k_cache.shape[1]
+    max_len = int(seq_lens.max())
+    table = block_tables[:, : -(-max_len // block_size)].clamp(min=0).long().flatten()
+    # One row per block: index_select on 2-D rows is ~10x faster on CPU than on the 4-D view.
+    k, v = (
+        cache.flatten(1)
+        .index_select(0, table)
+        .view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
+        .transpose(1, 2)
+        for cache in (k_cache, v_cache)
+    )
+    valid = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    return k, v, valid
+
+
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q`` ``[B, Hq, M, D]``, ``k``/``v`` ``[B, Hkv, L, D]``, boolean ``mask`` ``[B, 1, M, L]``."""
+    out_dtype = q.dtype
+    if not q.dtype == k.dtype == v.dtype == torch.float32:
+        q, k, v = q.float(), k.float(), v.float()
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+    )
+    return out.to(out_dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference of ``paged_decode_attention``."""
+    k, v, valid = _gather_kv(k_cache, v_cache, block_tables, seq_lens)
+    return _sdpa(q.unsqueeze(2), k, v, valid[:, None, None, :], scale).squeeze(2)
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+) -> torch.Tensor:
+    """Torch reference of ``paged_prefill_attention``: queries padded to ``[B, max_query_len]``."""
+    num_seqs = seq_lens.numel()
+    if num_seqs == 0 or q.shape[0] == 0:
+        return torch.empty_like(q)
+    if max_query_len == 1 and q.shape[0] == num_seqs:
+        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    device = q.device
+    starts = cu_seqlens_q[:-1].long()
+    q_lens = cu_seqlens_q[1:].long() - starts
+    seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    row_of_token = torch.arange(q.shape[0], device=device) - starts[seq_of_token]
+    q_pad = q.new_zeros((num_seqs, max_query_len, *q.shape[1:]))
+    q_pad[seq_of_token, row_of_token] = q
+    k, v, _ = _gather_kv(k_cache, v_cache, block_tables, seq_lens)
+    # Row i of sequence b sits at position seq_lens[b] - q_len_b + i; padded rows see
+    # extra (zeroed) keys and are dropped below.
+    q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)
+    mask = torch.arange(k.shape[2], device=device)[None, None, :] <= q_pos[:, :, None]
+    out = _sdpa(q_pad.transpose(1, 2), k, v, mask[:, None], scale)
+    return out.transpose(1, 2)[seq_of_token, row_of_token]

@@ -1,0 +1,42 @@
+"""Chooses between a Triton kernel and its torch reference.
+
+CUDA tensors go to Triton, everything else to the torch reference. ``forced``
+overrides that for tests and benchmarks: ``forced("triton")`` sends CPU tensors
+to Triton (which then needs ``TRITON_INTERPRET=1``), ``forced("torch")`` runs the
+reference on CUDA. ``SPLITSERVE_FORCE_TRITON=1`` in the environment (read at
+import) starts the process forced to Triton.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Literal
+
+import torch
+
+Backend = Literal["torch", "triton"]
+
+FORCED: Backend | None = "triton" if os.environ.get("SPLITSERVE_FORCE_TRITON", "") == "1" else None
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when the operation on ``t`` should run the Triton kernel."""
+    return FORCED == "triton" if FORCED is not None else t.is_cuda
+
+
+@contextmanager
+def forced(backend: Backend) -> Iterator[None]:
+    """Runs the block with every kernel call on ``backend`` (process-wide, not thread-safe)."""
+    global FORCED
+    previous, FORCED = FORCED, backend
+    try:
+        yield
+    finally:
+        FORCED = previous
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= n (n >= 1); Triton tile sizes must be powers of two."""
+    return 1 << (max(n, 1) - 1).bit_length()

@@ -1,0 +1,1 @@
+"""splitserve: the CLI, the client and the generated protocol modules."""

@@ -1,0 +1,53 @@
+"""The `splitserve` command: one subcommand per module, imported only when chosen.
+
+Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Every long flag can also
+come from the environment as `SPLITSERVE_<FLAG>` (dashes become underscores), which is how the
+Kubernetes ConfigMap configures pods; a flag on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+
+# command name -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "make-tiny-model": ("engine.tiny", "write a deterministic tiny Hugging Face checkpoint"),
+    "offline": ("engine.offline_cli", "generate with the in-process engine (no servers)"),
+}
+
+
+def _apply_env_defaults(parser: argparse.ArgumentParser) -> None:
+    """Make `SPLITSERVE_<FLAG>` the default of each `--flag` that the environment sets."""
+    for action in parser._actions:
+        long = [s for s in action.option_strings if s.startswith("--")]
+        if not long or action.dest == "help":
+            continue
+        env = "SPLITSERVE_" + long[0][2:].replace("-", "_").upper()
+        if env in os.environ:
+            raw = os.environ[env]
+            action.default = action.type(raw) if callable(action.type) else raw
+            action.required = False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        cmd = sub.add_parser(name, help=help_text, description=help_text)
+        cmd.set_defaults(_module=module_name)
+        importlib.import_module(module_name).add_arguments(cmd)
+        _apply_env_defaults(cmd)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(importlib.import_module(args._module).run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
