@@ -53,8 +53,14 @@ def _time_hf(model: torch.nn.Module, prompts: list[list[int]], max_tokens: int, 
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                             min_new_tokens=max_tokens, pad_token_id=pad_id)  # type: ignore[operator]
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            pad_token_id=pad_id,
+        )  # type: ignore[operator]
     elapsed = time.perf_counter() - start
     assert out.shape[1] == width + max_tokens
     return len(prompts) * max_tokens / elapsed
@@ -76,8 +82,15 @@ def run_bench(model_dir: Path, max_tokens: int, batches: list[int], seed: int = 
     for batch in batches:
         prompts = _prompts(batch, vocab, rng)
         lens = f"{min(map(len, prompts))}-{max(map(len, prompts))}"
-        rows.append(BenchRow(batch, lens, max_tokens, _time_ours(llm, prompts, max_tokens),
-                             _time_hf(hf, prompts, max_tokens, pad_id=0)))
+        rows.append(
+            BenchRow(
+                batch,
+                lens,
+                max_tokens,
+                _time_ours(llm, prompts, max_tokens),
+                _time_hf(hf, prompts, max_tokens, pad_id=0),
+            )
+        )
     return rows
 
 

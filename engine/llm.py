@@ -46,9 +46,7 @@ class LLM:
         sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+        prompt_list = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompt_list)
         else:
@@ -58,7 +56,7 @@ class LLM:
         outputs: dict[str, RequestOutput] = {}
         detoks: dict[str, IncrementalDetokenizer] = {}
         for prompt, params in zip(prompt_list, params_list, strict=True):
-            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
             rid = str(next(self._ids))
             self.engine.add_request(rid, ids, params)
             outputs[rid] = RequestOutput(rid, prompt if isinstance(prompt, str) else None, ids)
@@ -66,10 +64,10 @@ class LLM:
         while self.engine.has_unfinished():
             for step in self.engine.step():
                 out = outputs[step.request_id]
-                out.token_ids.extend(step.new_token_ids)
-                out.logprobs.extend(step.new_logprobs)
-                out.num_cached_tokens = step.num_cached_tokens
                 delta = detoks[step.request_id].push(step.new_token_ids)
+                out.token_ids.extend(delta.token_ids)  # ids past a matched stop string are dropped
+                out.logprobs.extend(step.new_logprobs[: len(delta.token_ids)])
+                out.num_cached_tokens = step.num_cached_tokens
                 out.text += delta.text
                 if delta.stopped and not step.finished:
                     self.engine.abort_request(step.request_id)
@@ -79,3 +77,13 @@ class LLM:
                     out.text += detoks[step.request_id].finish()
                     out.finish_reason = step.finish_reason.value if step.finish_reason else None
         return list(outputs.values())
+
+
+def _as_prompt_list(prompts: PromptLike | Seq[PromptLike]) -> list[PromptLike]:
+    """One prompt (text or token ids) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
+    return [p if isinstance(p, str) else list(p) for p in items]  # type: ignore[arg-type]

@@ -63,8 +63,9 @@ class LLMEngine:
         self.device = torch.device(config.device)
         model_cfg = loaded.config
         self.model = CausalLM(model_cfg, loaded.weights)
-        self.max_model_len = min(config.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
+        self.max_model_len = min(
+            config.max_model_len or model_cfg.max_position_embeddings, model_cfg.max_position_embeddings
+        )
         config.max_model_len = self.max_model_len
         num_blocks = config.num_blocks or max(
             1, config.kv_cache_memory_bytes // kv_block_bytes(self.model, config.block_size)
@@ -75,8 +76,13 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, num_blocks, model_cfg.eos_token_ids, self.device)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
-        log.info("engine ready", model=str(loaded.model_dir), identity=loaded.identity[:12],
-                 num_blocks=num_blocks, block_size=config.block_size)
+        log.info(
+            "engine ready",
+            model=str(loaded.model_dir),
+            identity=loaded.identity[:12],
+            num_blocks=num_blocks,
+            block_size=config.block_size,
+        )
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path, config: EngineConfig | None = None) -> LLMEngine:
@@ -135,8 +141,15 @@ class LLMEngine:
             if done:
                 del self._requests[seq.request_id]
             outputs.append(
-                StepOutput(seq.request_id, [token], [logprob], [result.top_logprobs.get(seq, [])],
-                           done, seq.finish_reason, seq.num_cached_tokens)
+                StepOutput(
+                    seq.request_id,
+                    [token],
+                    [logprob],
+                    [result.top_logprobs.get(seq, [])],
+                    done,
+                    seq.finish_reason,
+                    seq.num_cached_tokens,
+                )
             )
         if self.config.debug_integrity:
             self.pool.check_integrity()

@@ -180,7 +180,9 @@ def _check_names(config: ModelConfig, raw: dict[str, torch.Tensor], model_dir: P
         problems.append(f"missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     if unexpected := sorted(raw.keys() - expected.keys()):
         problems.append(f"unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    wrong = [f"{n} {tuple(raw[n].shape)} != {s}" for n, s in expected.items() if n in raw and raw[n].shape != s]
+    wrong = [
+        f"{n} {tuple(raw[n].shape)} != {s}" for n, s in expected.items() if n in raw and raw[n].shape != s
+    ]
     if wrong:
         problems.append(f"shape mismatches {wrong[:5]}")
     if problems:

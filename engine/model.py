@@ -125,7 +125,9 @@ class CausalLM:
         k = k * cos + _rotate_half(k) * sin
         kernels.write_kv_slots(k, v, k_cache, v_cache, ctx.slot_mapping)
         if ctx.is_decode_only:
-            out = kernels.paged_decode_attention(q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, self.scale)
+            out = kernels.paged_decode_attention(
+                q, k_cache, v_cache, ctx.block_tables, ctx.seq_lens, self.scale
+            )
         else:
             out = kernels.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens, self.scale

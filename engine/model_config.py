@@ -88,7 +88,7 @@ class ModelConfig:
                 f"{self.max_position_embeddings}; sliding-window attention is not supported"
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
-        if rope_type not in ROPE_TYPES or rope_type == "default" and self.rope_scaling is not None:
+        if rope_type not in ROPE_TYPES or (rope_type == "default" and self.rope_scaling is not None):
             raise ValueError(f"{arch}: rope_type {rope_type!r} is not supported; supported: {ROPE_TYPES}")
         missing = [k for k in _ROPE_REQUIRED.get(rope_type, ()) if k not in (self.rope_scaling or {})]
         if missing:
@@ -188,7 +188,7 @@ class ModelConfig:
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling,
+            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,  # transformers mutates it
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "hidden_act": self.hidden_act,
@@ -238,7 +238,9 @@ def _rope_settings(d: dict[str, Any], arch: str, max_pos: int) -> tuple[float, d
     if rope_type == "default":
         return theta, None
     if rope_type in ("llama3", "yarn"):
-        params.setdefault("original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos))
+        params.setdefault(
+            "original_max_position_embeddings", d.get("original_max_position_embeddings", max_pos)
+        )
     return theta, {"rope_type": rope_type, **params}
 
 

@@ -36,5 +36,7 @@ def resolve_model_dir(spec: str | Path) -> Path:
         return target
     path = Path(text)
     if not path.is_dir():
-        raise FileNotFoundError(f"model directory {path} does not exist (or pass 'tiny' for the built-in model)")
+        raise FileNotFoundError(
+            f"model directory {path} does not exist (or pass 'tiny' for the built-in model)"
+        )
     return path

@@ -8,7 +8,9 @@ import time
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="*", help="prompt text(s); default: the demo chat request")
-    parser.add_argument("--model", default="tiny", help="checkpoint directory, or 'tiny' for the built-in model")
+    parser.add_argument(
+        "--model", default="tiny", help="checkpoint directory, or 'tiny' for the built-in model"
+    )
     parser.add_argument("--system", default="You answer questions about Acme products.")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)

@@ -2,10 +2,10 @@
 
 Shapes (T new tokens over B sequences, Hq query heads, Hkv kv heads, D head dim):
 - ``q``: ``[B, Hq, D]`` (decode) or ``[T, Hq, D]`` (prefill; sequence b's tokens are
-  rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``).
+  rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``, ``cu_seqlens_q`` ``[B+1]`` int32 from 0 to T).
 - ``k_cache``/``v_cache``: one layer's ``[num_blocks, block_size, Hkv, D]`` strided views.
 - ``block_tables``: ``[B, max_blocks]`` int32; entries past a sequence's last block
-  are never read (any value, -1 included).
+  must be -1 or a valid block id (the Triton kernel never reads them).
 - ``seq_lens``: ``[B]`` int32, kv tokens of each sequence INCLUDING the new ones, whose
   KV must already be in the cache (``write_kv_slots`` first).
 Query head ``i`` attends with kv head ``i // (Hq // Hkv)`` (GQA). New token ``j`` of
@@ -59,15 +59,15 @@ def paged_prefill_attention(
     Serves mixed batches: a decode token is a sequence with one new token.
     ``max_query_len`` (the largest ``q_len_b``) spares a device sync when given.
     """
-    if max_query_len is None:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens.numel() else 0
-    if use_triton(q):
-        from kernels.attention_triton import paged_attention_triton
+    if q.shape[0] == 0 or seq_lens.numel() == 0:
+        return torch.empty_like(q)
+    if not use_triton(q):
+        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    from kernels.attention_triton import paged_attention_triton
 
-        return paged_attention_triton(
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
-        )
-    return paged_prefill_attention_ref(
+    if max_query_len is None:
+        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    return paged_attention_triton(
         q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
     )
 
@@ -125,24 +125,52 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_query_len: int,
 ) -> torch.Tensor:
-    """Torch reference of ``paged_prefill_attention``: queries padded to ``[B, max_query_len]``."""
-    num_seqs = seq_lens.numel()
-    if num_seqs == 0 or q.shape[0] == 0:
-        return torch.empty_like(q)
-    if max_query_len == 1 and q.shape[0] == num_seqs:
+    """Torch reference of ``paged_prefill_attention``.
+
+    Sequences with one new token take the decode path; the others are padded to
+    their longest query, so decode tokens in a mixed batch cost no padding.
+    """
+    q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    single = q_lens == 1
+    if bool(single.all()):
         return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    device = q.device
-    starts = cu_seqlens_q[:-1].long()
-    q_lens = cu_seqlens_q[1:].long() - starts
+    if not bool(single.any()):
+        return _padded_prefill_ref(q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale)
+    single_token = torch.repeat_interleave(single, q_lens)
+    multi = ~single
+    out = torch.empty_like(q)
+    out[single_token] = paged_decode_attention_ref(
+        q[single_token], k_cache, v_cache, block_tables[single], seq_lens[single], scale
+    )
+    out[~single_token] = _padded_prefill_ref(
+        q[~single_token], k_cache, v_cache, block_tables[multi], q_lens[multi], seq_lens[multi], scale
+    )
+    return out
+
+
+def _padded_prefill_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Prefill attention with every sequence's queries padded to ``[B, max q_len]``."""
+    num_seqs, device = q_lens.numel(), q.device
+    if q.shape[0] == 0:
+        return torch.empty_like(q)
+    max_query_len = int(q_lens.max())
     seq_of_token = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    starts = torch.cumsum(q_lens, 0) - q_lens
     row_of_token = torch.arange(q.shape[0], device=device) - starts[seq_of_token]
     q_pad = q.new_zeros((num_seqs, max_query_len, *q.shape[1:]))
     q_pad[seq_of_token, row_of_token] = q
     k, v, _ = _gather_kv(k_cache, v_cache, block_tables, seq_lens)
-    # Row i of sequence b sits at position seq_lens[b] - q_len_b + i; padded rows see
-    # extra (zeroed) keys and are dropped below.
+    # Row i of sequence b sits at position seq_lens[b] - q_len_b + i; padded rows
+    # attend to whatever the mask allows and are dropped below.
     q_pos = (seq_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)
     mask = torch.arange(k.shape[2], device=device)[None, None, :] <= q_pos[:, :, None]
     out = _sdpa(q_pad.transpose(1, 2), k, v, mask[:, None], scale)

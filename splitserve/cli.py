@@ -1,4 +1,4 @@
-"""The `splitserve` command: one subcommand per module, imported only when chosen.
+"""The `splitserve` command: one subcommand per module, imported only when that command runs.
 
 Each command module exposes `add_arguments(parser)` and `run(args) -> int`. Every long flag can also
 come from the environment as `SPLITSERVE_<FLAG>` (dashes become underscores), which is how the
@@ -15,8 +15,16 @@ from collections.abc import Sequence
 
 # command name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "make-tiny-model": ("engine.tiny", "write a deterministic tiny Hugging Face checkpoint"),
+    "serve": ("splitserve.serve", "start a local cluster: coordinator + prefill and decode workers"),
+    "demo": ("splitserve.demo", "start a local cluster on the tiny model, send one chat request, stop"),
+    "coordinator": ("coordinator.main", "run the gRPC coordinator alone (Kubernetes role)"),
+    "prefill": ("prefill.main", "run one prefill worker alone (Kubernetes role)"),
+    "decode": ("decode.main", "run one decode (or --mode colocated) worker alone (Kubernetes role)"),
+    "generate": ("splitserve.client_cli", "stream a completion from a running server"),
+    "chat": ("splitserve.client_cli", "stream a chat answer from a running server"),
+    "bench": ("splitserve.bench", "serving benchmark: Poisson arrivals, TTFT/TPOT/ITL, SLO attainment"),
     "offline": ("engine.offline_cli", "generate with the in-process engine (no servers)"),
+    "make-tiny-model": ("engine.tiny", "write a deterministic tiny Hugging Face checkpoint"),
 }
 
 
@@ -33,19 +41,23 @@ def _apply_env_defaults(parser: argparse.ArgumentParser) -> None:
             action.required = False
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only `command`'s module is imported (all commands are listed either way)."""
     parser = argparse.ArgumentParser(prog="splitserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         cmd = sub.add_parser(name, help=help_text, description=help_text)
         cmd.set_defaults(_module=module_name)
-        importlib.import_module(module_name).add_arguments(cmd)
-        _apply_env_defaults(cmd)
+        if name == command:
+            importlib.import_module(module_name).add_arguments(cmd)
+            _apply_env_defaults(cmd)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    args = build_parser(command).parse_args(argv)
     return int(importlib.import_module(args._module).run(args))
 
 

@@ -56,7 +56,7 @@ def _cell(text: str) -> str:
 
 class _Renderer:
     def __init__(self, files: Sequence[descriptor_pb2.FileDescriptorProto]) -> None:
-        self.root = os.path.commonprefix([f.package.split(".") for f in files])
+        self.root = _common_package([f.package for f in files])
         self.headings: dict[str, str] = {}  # full type name -> heading text
         for file in files:
             for full_name in _type_names(file.package, file.message_type, file.enum_type):
@@ -85,7 +85,11 @@ class _Renderer:
 
     def file(self, file: descriptor_pb2.FileDescriptorProto) -> list[str]:
         comments = _Comments(file)
-        out = [f"### {os.path.basename(file.name)} (package `{file.package}`)", "", comments.text((_FILE_SYNTAX,))]
+        out = [
+            f"### {os.path.basename(file.name)} (package `{file.package}`)",
+            "",
+            comments.text((_FILE_SYNTAX,)),
+        ]
         blocks: list[tuple[int, list[str]]] = []
         for i, service in enumerate(file.service):
             path = (_FILE_SERVICE, i)
@@ -137,6 +141,16 @@ class _Renderer:
         for j, v in enumerate(enum.value):
             rows.append(f"| `{v.name}` | {v.number} | {_cell(comments.text((*path, _ENUM_VALUE, j)))} |")
         return [f"#### {self.headings[f'{scope}.{enum.name}']}", "", comments.text(path), "", *rows]
+
+
+def _common_package(packages: Sequence[str]) -> list[str]:
+    """The leading package segments all `packages` share, e.g. ["splitserve", "v1"]."""
+    root: list[str] = []
+    for segments in zip(*(p.split(".") for p in packages), strict=False):
+        if len(set(segments)) > 1:
+            break
+        root.append(segments[0])
+    return root
 
 
 def _type_names(

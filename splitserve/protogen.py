@@ -153,10 +153,15 @@ def stale_files(repo: Path = REPO_ROOT) -> list[str]:
 
 
 def write(repo: Path = REPO_ROOT) -> list[str]:
-    """Regenerates every output in place; returns the paths whose content changed."""
+    """Regenerates every output in place and deletes generated modules no proto produces any more;
+    returns the paths that changed."""
     with tempfile.TemporaryDirectory() as scratch:
         expected = build(repo, Path(scratch))
     changed = []
+    for leftover in sorted((repo / OUT_DIR).glob("*_pb2*")):
+        if str(leftover.relative_to(repo)) not in expected:
+            leftover.unlink()
+            changed.append(str(leftover.relative_to(repo)))
     for rel, content in expected.items():
         path = repo / rel
         if not path.exists() or path.read_bytes() != content:
@@ -166,7 +171,9 @@ def write(repo: Path = REPO_ROOT) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m splitserve.protogen", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m splitserve.protogen", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--check", action="store_true", help="list stale generated files; exit 1 if any")
     args = parser.parse_args(argv)
     if args.check:

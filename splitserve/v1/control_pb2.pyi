@@ -495,8 +495,10 @@ Global___Peers: _TypeAlias = Peers  # noqa: Y015
 
 @_typing.final
 class PrefixCacheEvents(_message.Message):
-    """Prefix-cache changes since the previous Heartbeat, so the router knows which prefixes each worker
-    holds. Hashes are the first 8 bytes of the engine's chained block hash, as little-endian uint64.
+    """Prefix-cache changes since the previous Heartbeat, so the router knows which prefixes each prefill
+    (or colocated) worker holds. Hashes are the first 8 bytes of the engine's chained block hash
+    (engine.block_pool.hash_block) read as a little-endian uint64; a collision can only mislead a
+    routing estimate, never reuse the wrong KV.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

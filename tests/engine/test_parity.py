@@ -25,9 +25,14 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) ->
     with torch.inference_mode():
         for ids in prompts:
             x = torch.tensor([ids])
-            y = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                               max_new_tokens=max_new_tokens, pad_token_id=0)
-            outs.append(y[0, len(ids):].tolist())
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 
@@ -60,7 +65,7 @@ def test_prefix_cache_hit_gives_identical_output_with_fewer_computed_tokens(
     llm = LLM(model_dir, block_size=4, max_num_batched_tokens=64)
     vocab = llm.engine.loaded.config.vocab_size
     shared = random_prompts(vocab, [40], seed=2)[0]
-    first, second = shared + [5, 6, 7], shared + [8, 9]
+    first, second = [*shared, 5, 6, 7], [*shared, 8, 9]
     params = SamplingParams(temperature=0.0, max_tokens=6)
     llm.generate([first], params)
     computed_before = llm.engine.stats.tokens_computed

@@ -91,3 +91,8 @@ def dense_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sc
 def rel_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """max |actual - expected| / max |expected|, in float64."""
     return float((actual.double() - expected.double()).abs().max() / expected.double().abs().max())
+
+
+def cu_seqlens(q_lens: list[int]) -> torch.Tensor:
+    """``[B+1]`` int32 prefix sums of the new-token counts, starting at 0."""
+    return torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)

@@ -8,62 +8,58 @@ import torch
 from kernels import paged_decode_attention, paged_prefill_attention
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from tests.kernels.conftest import DEVICE
-from tests.kernels.paged import PagedKV, dense_causal_attention, make_paged, rel_error
+from tests.kernels.paged import PagedKV, cu_seqlens, dense_causal_attention, make_paged, rel_error
 
 # (block_size, num_kv_heads, group = Hq // Hkv, head_dim): page sizes 16 and 5, GQA
 # ratios 1/2/3/4, head dims 64/80/128 (any head dim works; the kernel pads to a power of two).
 CASES = [(16, 2, 1, 64), (5, 2, 2, 80), (16, 1, 4, 128), (5, 1, 3, 64)]
-DECODE_LENS = [7, 33, 1, 20]
-# (kv length incl. new tokens, new tokens): a whole prompt, a chunk after a cached
-# prefix, a decode token and a short prompt, all in one mixed batch.
-PREFILL_SEQS = [(23, 23), (40, 9), (17, 1), (6, 6)]
+# (kv length incl. new tokens, new tokens) per sequence.
+DECODE = [(7, 1), (33, 1), (1, 1), (20, 1)]
+# A whole prompt, a chunk after a cached prefix, a decode token and a short prompt.
+MIXED = [(23, 23), (40, 9), (17, 1), (6, 6)]
+PREFILL_ONLY = [(23, 23), (40, 9), (6, 6)]
 F32_TOL = 1e-5
+Case = tuple[int, int, int, int]
 
 
-def _decode_inputs(
-    case: tuple[int, int, int, int], seed: int, unused: float = 1.0e4
-) -> tuple[PagedKV, torch.Tensor, float]:
-    block_size, num_kv_heads, group, head_dim = case
-    paged = make_paged(DECODE_LENS, block_size, num_kv_heads, head_dim, torch.float32, seed, unused)
-    q = torch.randn(len(DECODE_LENS), num_kv_heads * group, head_dim, device=DEVICE)
-    return paged, q, head_dim**-0.5
-
-
-def _prefill_inputs(
-    case: tuple[int, int, int, int], seed: int, unused: float = 1.0e4
+def _inputs(
+    case: Case, seqs: list[tuple[int, int]], seed: int, unused: float = 1.0e4
 ) -> tuple[PagedKV, torch.Tensor, torch.Tensor, float]:
+    """The paged KV of ``seqs``, their new tokens' queries ``[T, Hq, D]``, cu_seqlens_q, scale."""
     block_size, num_kv_heads, group, head_dim = case
-    seq_lens = [n for n, _ in PREFILL_SEQS]
-    paged = make_paged(seq_lens, block_size, num_kv_heads, head_dim, torch.float32, seed, unused)
-    q_lens = [m for _, m in PREFILL_SEQS]
+    paged = make_paged([n for n, _ in seqs], block_size, num_kv_heads, head_dim, torch.float32, seed, unused)
+    q_lens = [m for _, m in seqs]
     q = torch.randn(sum(q_lens), num_kv_heads * group, head_dim, device=DEVICE)
-    cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
-    return paged, q, cu, head_dim**-0.5
+    return paged, q, cu_seqlens(q_lens), head_dim**-0.5
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_decode_reference_matches_dense_attention(case: tuple[int, int, int, int]) -> None:
-    paged, q, scale = _decode_inputs(case, seed=10)
-    out = paged_decode_attention_ref(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale
-    )
-    assert out.shape == q.shape and out.dtype == torch.float32
-    for b in range(len(DECODE_LENS)):
-        expected = dense_causal_attention(q[b : b + 1], paged.keys[b], paged.values[b], scale)
-        assert rel_error(out[b : b + 1], expected) < F32_TOL
-
-
-@pytest.mark.parametrize("case", CASES)
-def test_prefill_reference_matches_dense_attention(case: tuple[int, int, int, int]) -> None:
-    paged, q, cu, scale = _prefill_inputs(case, seed=11)
-    out = paged_prefill_attention(
-        q, paged.k_cache, paged.v_cache, paged.block_tables, cu, paged.seq_lens, scale
-    )
-    assert out.shape == q.shape
-    for b in range(len(PREFILL_SEQS)):
+def _assert_matches_dense(
+    out: torch.Tensor, q: torch.Tensor, cu: torch.Tensor, paged: PagedKV, scale: float
+) -> None:
+    assert out.shape == q.shape and out.dtype == q.dtype
+    for b in range(cu.numel() - 1):
         rows = slice(int(cu[b]), int(cu[b + 1]))
         expected = dense_causal_attention(q[rows], paged.keys[b], paged.values[b], scale)
         assert rel_error(out[rows], expected) < F32_TOL
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_reference_matches_dense_attention(case: Case) -> None:
+    paged, q, cu, scale = _inputs(case, DECODE, seed=10)
+    out = paged_decode_attention_ref(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale
+    )
+    _assert_matches_dense(out, q, cu, paged, scale)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, PREFILL_ONLY], ids=["mixed", "prefill_only"])
+@pytest.mark.parametrize("case", CASES)
+def test_prefill_reference_matches_dense_attention(case: Case, seqs: list[tuple[int, int]]) -> None:
+    paged, q, cu, scale = _inputs(case, seqs, seed=11)
+    out = paged_prefill_attention_ref(
+        q, paged.k_cache, paged.v_cache, paged.block_tables, cu, paged.seq_lens, scale
+    )
+    _assert_matches_dense(out, q, cu, paged, scale)
 
 
 # The Triton tests poison unused cache slots with NaN: the kernel must never read them.
@@ -71,8 +67,8 @@ def test_prefill_reference_matches_dense_attention(case: tuple[int, int, int, in
 
 @pytest.mark.usefixtures("force_triton")
 @pytest.mark.parametrize("case", CASES)
-def test_decode_triton_matches_reference(case: tuple[int, int, int, int]) -> None:
-    paged, q, scale = _decode_inputs(case, seed=12, unused=float("nan"))
+def test_decode_triton_matches_reference(case: Case) -> None:
+    paged, q, _, scale = _inputs(case, DECODE, seed=12, unused=float("nan"))
     tables = (paged.block_tables, paged.seq_lens)
     out = paged_decode_attention(q, paged.k_cache, paged.v_cache, *tables, scale)
     expected = paged_decode_attention_ref(q, *paged.finite_caches(), *tables, scale)
@@ -81,20 +77,17 @@ def test_decode_triton_matches_reference(case: tuple[int, int, int, int]) -> Non
 
 @pytest.mark.usefixtures("force_triton")
 @pytest.mark.parametrize("case", CASES)
-def test_prefill_triton_matches_reference(case: tuple[int, int, int, int]) -> None:
-    paged, q, cu, scale = _prefill_inputs(case, seed=13, unused=float("nan"))
+def test_prefill_triton_matches_reference(case: Case) -> None:
+    paged, q, cu, scale = _inputs(case, MIXED, seed=13, unused=float("nan"))
     tables = (paged.block_tables, cu, paged.seq_lens)
     out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, *tables, scale)
-    expected = paged_prefill_attention_ref(q, *paged.finite_caches(), *tables, scale, max_query_len=23)
+    expected = paged_prefill_attention_ref(q, *paged.finite_caches(), *tables, scale)
     assert rel_error(out, expected) < F32_TOL
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
-def test_prefill_of_single_tokens_equals_decode(triton_path: bool, request: pytest.FixtureRequest) -> None:
-    if triton_path:
-        request.getfixturevalue("force_triton")
-    paged, q, scale = _decode_inputs(CASES[1], seed=14)
-    cu = torch.arange(len(DECODE_LENS) + 1, dtype=torch.int32, device=DEVICE)
+@pytest.mark.usefixtures("backend")
+def test_prefill_of_single_tokens_equals_decode() -> None:
+    paged, q, cu, scale = _inputs(CASES[1], DECODE, seed=14)
     decode = paged_decode_attention(
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale
     )
@@ -112,9 +105,7 @@ def test_half_precision_triton_matches_float32_reference(dtype: torch.dtype) -> 
     seqs = [(700, 700), (1500, 37), (901, 1), (64, 64)]
     paged = make_paged([n for n, _ in seqs], block_size, num_kv_heads, head_dim, dtype, seed=15)
     q = torch.randn(sum(m for _, m in seqs), num_kv_heads * group, head_dim, device=DEVICE, dtype=dtype)
-    cu = torch.tensor(
-        [0, *torch.tensor([m for _, m in seqs]).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
-    )
+    cu = cu_seqlens([m for _, m in seqs])
     k_cache, v_cache = paged.k_cache, paged.v_cache
     out = paged_prefill_attention(q, k_cache, v_cache, paged.block_tables, cu, paged.seq_lens, head_dim**-0.5)
     expected = paged_prefill_attention_ref(
@@ -125,7 +116,6 @@ def test_half_precision_triton_matches_float32_reference(dtype: torch.dtype) -> 
         cu,
         paged.seq_lens,
         head_dim**-0.5,
-        700,
     )
     assert out.dtype == dtype
     assert rel_error(out, expected) < 2e-2

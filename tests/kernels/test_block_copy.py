@@ -26,13 +26,9 @@ def _cache(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tenso
     return torch.randn(shape, generator=g).to(dtype).to(DEVICE)
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize(("shape", "dtype"), CASES)
-def test_gather_matches_indexing(
-    shape: tuple[int, ...], dtype: torch.dtype, triton_path: bool, request: pytest.FixtureRequest
-) -> None:
-    if triton_path:
-        request.getfixturevalue("force_triton")
+def test_gather_matches_indexing(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     cache = _cache(shape, dtype, seed=1)
     ids = torch.tensor([4, 0, 2, 3], dtype=torch.int32, device=DEVICE)
     out = gather_blocks(cache, ids)
@@ -40,13 +36,9 @@ def test_gather_matches_indexing(
     assert torch.equal(out, cache[ids.long()])
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize(("shape", "dtype"), CASES)
-def test_scatter_inverts_gather(
-    shape: tuple[int, ...], dtype: torch.dtype, triton_path: bool, request: pytest.FixtureRequest
-) -> None:
-    if triton_path:
-        request.getfixturevalue("force_triton")
+def test_scatter_inverts_gather(shape: tuple[int, ...], dtype: torch.dtype) -> None:
     cache = _cache(shape, dtype, seed=2)
     src = _cache((3, *shape[1:]), dtype, seed=3)
     ids = torch.tensor([3, 1, 4], dtype=torch.int64, device=DEVICE)
@@ -57,11 +49,9 @@ def test_scatter_inverts_gather(
     assert torch.equal(gather_blocks(cache, ids), src)
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
-def test_gather_into_misaligned_byte_buffer(triton_path: bool, request: pytest.FixtureRequest) -> None:
+@pytest.mark.usefixtures("backend")
+def test_gather_into_misaligned_byte_buffer() -> None:
     """``out`` may be any contiguous buffer of the right byte size, even at an odd address."""
-    if triton_path:
-        request.getfixturevalue("force_triton")
     cache = _cache((7, 2, 2, 5, 2, 8), torch.float32, seed=4)
     ids = torch.tensor([6, 2, 5], device=DEVICE)
     block_bytes = cache[0].numel() * 4

@@ -13,13 +13,11 @@ from tests.kernels.paged import LAYER, NUM_LAYERS
 CASES = [(16, 2, 64), (5, 3, 80), (16, 1, 128)]
 
 
-@pytest.mark.parametrize("triton_path", [False, True])
+@pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize(("block_size", "num_kv_heads", "head_dim"), CASES)
 def test_writes_each_token_to_its_slot_and_skips_padding(
-    block_size: int, num_kv_heads: int, head_dim: int, triton_path: bool, request: pytest.FixtureRequest
+    block_size: int, num_kv_heads: int, head_dim: int
 ) -> None:
-    if triton_path:
-        request.getfixturevalue("force_triton")
     g = torch.Generator().manual_seed(block_size + head_dim)
     num_blocks = 7
     kv_cache = torch.randn(num_blocks, NUM_LAYERS, 2, block_size, num_kv_heads, head_dim, generator=g).to(

@@ -53,14 +53,14 @@ def filled(descriptor: Descriptor) -> Message:
 
 
 def _value(field: FieldDescriptor) -> Any:
-    if field.type == FD.TYPE_ENUM:
+    if field.enum_type is not None:
         return field.enum_type.values[-1].number
     return _SCALARS[field.type]
 
 
 def _set(msg: Message, field: FieldDescriptor) -> None:
     repeated = field.is_repeated
-    if field.type == FD.TYPE_MESSAGE:
+    if field.message_type is not None:
         values = [filled(field.message_type) for _ in range(2 if repeated else 1)]
         if repeated:
             getattr(msg, field.name).extend(values)
@@ -75,9 +75,11 @@ def _set(msg: Message, field: FieldDescriptor) -> None:
 @pytest.mark.parametrize("member", ENVELOPE_MEMBERS)
 def test_control_message_round_trips_in_envelope(member: str) -> None:
     inner_descriptor = control_pb2.Envelope.DESCRIPTOR.fields_by_name[member].message_type
+    assert inner_descriptor is not None
     inner = filled(inner_descriptor)
     assert inner.ListFields(), "filler set nothing"
-    envelope = control_pb2.Envelope(**{member: inner})
+    envelope = control_pb2.Envelope()
+    getattr(envelope, member).CopyFrom(inner)
     decoded = control_pb2.Envelope.FromString(envelope.SerializeToString())
     assert decoded.WhichOneof("msg") == member
     assert getattr(decoded, member) == inner
@@ -103,12 +105,21 @@ def test_every_control_message_travels_in_the_envelope() -> None:
     reachable = _reachable(control_pb2.Envelope.DESCRIPTOR, set())
     defined = {d.full_name for d in control_pb2.DESCRIPTOR.message_types_by_name.values()}
     assert defined - reachable == set(), "control messages no Envelope member can carry"
-    assert len(ENVELOPE_MEMBERS) == len(control_pb2.Envelope.DESCRIPTOR.fields), "Envelope fields outside `msg`"
+    assert len(ENVELOPE_MEMBERS) == len(control_pb2.Envelope.DESCRIPTOR.fields), (
+        "Envelope fields outside `msg`"
+    )
 
 
 def test_control_id_lists_are_packed_bytes() -> None:
     """No repeated integer field in control.proto: ids travel as packed bytes (splitserve.wire)."""
-    integer_types = {FD.TYPE_INT32, FD.TYPE_UINT32, FD.TYPE_INT64, FD.TYPE_UINT64, FD.TYPE_SINT32, FD.TYPE_SINT64}
+    integer_types = {
+        FD.TYPE_INT32,
+        FD.TYPE_UINT32,
+        FD.TYPE_INT64,
+        FD.TYPE_UINT64,
+        FD.TYPE_SINT32,
+        FD.TYPE_SINT64,
+    }
     offenders = [
         f"{d.name}.{f.name}"
         for d in control_pb2.DESCRIPTOR.message_types_by_name.values()
@@ -122,5 +133,10 @@ def test_control_reuses_public_enums_and_pool_messages() -> None:
     fields = control_pb2.Heartbeat.DESCRIPTOR.fields_by_name
     assert fields["pool"].message_type is serving_pb2.KvPoolState.DESCRIPTOR
     assert fields["load"].message_type is serving_pb2.WorkerLoad.DESCRIPTOR
-    assert control_pb2.Tokens.DESCRIPTOR.fields_by_name["finish_reason"].enum_type is serving_pb2.FinishReason.DESCRIPTOR
-    assert control_pb2.Register.DESCRIPTOR.fields_by_name["role"].enum_type is serving_pb2.WorkerRole.DESCRIPTOR
+    assert (
+        control_pb2.Tokens.DESCRIPTOR.fields_by_name["finish_reason"].enum_type
+        is serving_pb2.FinishReason.DESCRIPTOR
+    )
+    assert (
+        control_pb2.Register.DESCRIPTOR.fields_by_name["role"].enum_type is serving_pb2.WorkerRole.DESCRIPTOR
+    )

@@ -40,7 +40,9 @@ def _edit(path: Path, old: str, new: str) -> None:
 
 
 def _add_field(repo: Path) -> None:
-    _edit(repo / SERVING, "repeated uint32 ids = 1;", "repeated uint32 ids = 1;\n  // New.\n  bool extra = 2;")
+    _edit(
+        repo / SERVING, "repeated uint32 ids = 1;", "repeated uint32 ids = 1;\n  // New.\n  bool extra = 2;"
+    )
 
 
 def _set_recorded_versions(repo: Path, versions: dict[str, str]) -> None:
@@ -83,8 +85,10 @@ def test_other_generator_versions_compare_descriptors(repo_copy: Path) -> None:
 
 def test_write_regenerates_in_place(repo_copy: Path) -> None:
     _add_field(repo_copy)
+    (repo_copy / "splitserve/v1/old_pb2.py").write_text("")
     changed = protogen.write(repo_copy)
-    assert "splitserve/v1/serving_pb2.py" in changed
+    assert {"splitserve/v1/serving_pb2.py", "splitserve/v1/old_pb2.py"} <= set(changed)
+    assert not (repo_copy / "splitserve/v1/old_pb2.py").exists()
     assert protogen.stale_files(repo_copy) == []
     assert "| `extra` | 2 | `bool` | New. |" in (repo_copy / protogen.API_DOC).read_text()
 
@@ -93,4 +97,6 @@ def test_splice_needs_both_markers() -> None:
     with pytest.raises(ValueError, match="markers"):
         protogen.splice_reference("# no markers\n", "ref")
     doc = f"a\n{protogen.DOC_BEGIN}\nold\n{protogen.DOC_END}\nb\n"
-    assert protogen.splice_reference(doc, "new") == f"a\n{protogen.DOC_BEGIN}\n\nnew\n\n{protogen.DOC_END}\nb\n"
+    assert (
+        protogen.splice_reference(doc, "new") == f"a\n{protogen.DOC_BEGIN}\n\nnew\n\n{protogen.DOC_END}\nb\n"
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ def test_python_ints_round_trip(ids: list[int]) -> None:
     assert ids_array(packed).tolist() == ids
 
 
-def _int32_compatible_arrays(dtype: type[np.integer]) -> st.SearchStrategy[np.ndarray]:
+def _int32_compatible_arrays(dtype: Any) -> st.SearchStrategy[np.ndarray]:
     info = np.iinfo(dtype)
     elements = st.integers(max(info.min, -(2**31)), min(info.max, 2**31 - 1))
     return hnp.arrays(dtype, st.integers(0, 300), elements=elements)
@@ -54,7 +56,16 @@ def test_bytes_are_little_endian_int32() -> None:
 
 @pytest.mark.parametrize(
     "bad",
-    [[2**31], [-(2**31) - 1], [2**70], [1.5], [[1, 2]], np.array([0.5]), np.zeros((2, 2), np.int32), torch.tensor([2**40])],
+    [
+        [2**31],
+        [-(2**31) - 1],
+        [2**70],
+        [1.5],
+        [[1, 2]],
+        np.array([0.5]),
+        np.zeros((2, 2), np.int32),
+        torch.tensor([2**40]),
+    ],
 )
 def test_pack_ids_refuses_what_would_wrap_or_truncate(bad: object) -> None:
     with pytest.raises(ValueError):
@@ -84,6 +95,8 @@ def test_ids_array_is_a_read_only_view() -> None:
 
 @given(st.lists(st.integers(0, 2**31 - 1), max_size=2000))
 def test_ids_survive_a_control_message(block_ids: list[int]) -> None:
-    sent = control_pb2.Envelope(reserved=control_pb2.Reserved(rid=7, generation=2, block_ids=pack_ids(block_ids)))
+    sent = control_pb2.Envelope(
+        reserved=control_pb2.Reserved(rid=7, generation=2, block_ids=pack_ids(block_ids))
+    )
     received = control_pb2.Envelope.FromString(sent.SerializeToString())
     assert unpack_ids(received.reserved.block_ids) == block_ids

@@ -1,0 +1,188 @@
+"""A local cluster on one host: a coordinator plus prefill and decode worker processes.
+
+Used by `splitserve serve`, `make run` and the end-to-end tests. Every process binds OS-chosen ports
+and announces itself with one `SPLITSERVE_READY {json}` line on stdout; the launcher waits for that
+line (bounded), never sleeps. Processes are real `splitserve <role>` subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+READY_PREFIX = "SPLITSERVE_READY "
+
+
+class ClusterError(RuntimeError):
+    """A process of the cluster failed to start or died."""
+
+
+@dataclass(slots=True)
+class RoleProcess:
+    """One child process; `ready` is the JSON of its readiness line."""
+
+    role: str
+    name: str
+    proc: subprocess.Popen[str]
+    ready: dict[str, Any] = field(default_factory=dict)
+
+    def wait_ready(self, lines: queue.Queue[str | None], timeout: float) -> None:
+        try:
+            while True:
+                line = lines.get(timeout=timeout)  # bounded wait for the child's readiness line
+                if line is None:
+                    raise ClusterError(f"{self.name} exited with {self.proc.wait()} before it was ready")
+                if line.startswith(READY_PREFIX):
+                    self.ready = json.loads(line[len(READY_PREFIX) :])
+                    return
+        except queue.Empty:
+            raise ClusterError(f"{self.name} was not ready within {timeout:.0f}s") from None
+
+
+def _pump(stream: IO[str], lines: queue.Queue[str | None], echo: IO[str] | None) -> None:
+    """Forward a child's stdout line by line (keeps its pipe from filling up)."""
+    for line in stream:
+        lines.put(line.rstrip("\n"))
+        if echo is not None and not line.startswith(READY_PREFIX):
+            echo.write(line)
+    lines.put(None)
+
+
+@dataclass
+class ClusterSpec:
+    model: str = "tiny"
+    prefill_workers: int = 1
+    decode_workers: int = 1
+    mode: str = "disaggregated"  # or "colocated": decode_workers colocated workers, no prefill pool
+    host: str = "127.0.0.1"
+    port: int = 0
+    transfer_backend: str = "tcp"
+    coordinator_args: list[str] = field(default_factory=list)
+    prefill_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    log_dir: Path | None = None
+
+
+class LocalCluster:
+    """Starts, addresses and stops the processes of one `ClusterSpec`. Use as a context manager."""
+
+    def __init__(self, spec: ClusterSpec, *, ready_timeout: float = 180.0) -> None:
+        self.spec = spec
+        self.ready_timeout = ready_timeout
+        self.processes: list[RoleProcess] = []
+        self._logs: list[IO[str]] = []
+
+    @property
+    def coordinator(self) -> RoleProcess:
+        return self.processes[0]
+
+    @property
+    def grpc_address(self) -> str:
+        return str(self.coordinator.ready["grpc_address"])
+
+    def workers(self, role: str) -> list[RoleProcess]:
+        return [p for p in self.processes if p.role == role]
+
+    def __enter__(self) -> LocalCluster:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        s = self.spec
+        try:
+            coord = self._spawn(
+                "coordinator", "coordinator",
+                ["--model", s.model, "--host", s.host, "--port", str(s.port), "--control-host", s.host,
+                 "--control-port", "0", "--metrics-port", "0", *s.coordinator_args],
+            )
+            control = coord.ready["control_address"].removeprefix("tcp://")
+            common = ["--model", s.model, "--coordinator", control, "--advertise-host", s.host,
+                      "--control-port", "0", "--transfer-port", "0", "--metrics-port", "0",
+                      "--transfer-backend", s.transfer_backend]
+            pending = []
+            if s.mode == "colocated":
+                for i in range(s.decode_workers):
+                    pending.append(self._launch("colocated", f"colocated-{i}",
+                                                ["decode", *common, "--mode", "colocated",
+                                                 "--worker-id", f"colocated-{i}", *s.decode_args]))
+            else:
+                for i in range(s.prefill_workers):
+                    pending.append(self._launch("prefill", f"prefill-{i}",
+                                                ["prefill", *common, "--worker-id", f"prefill-{i}", *s.prefill_args]))
+                for i in range(s.decode_workers):
+                    pending.append(self._launch("decode", f"decode-{i}",
+                                                ["decode", *common, "--worker-id", f"decode-{i}", *s.decode_args]))
+            for proc, lines in pending:  # workers load their models in parallel
+                proc.wait_ready(lines, self.ready_timeout)
+        except BaseException:
+            self.stop()
+            raise
+        log.info("cluster ready", grpc=self.grpc_address, processes=len(self.processes))
+
+    def _spawn(self, role: str, name: str, args: list[str]) -> RoleProcess:
+        proc, lines = self._launch(role, name, [role, *args])
+        proc.wait_ready(lines, self.ready_timeout)
+        return proc
+
+    def _launch(self, role: str, name: str, argv: list[str]) -> tuple[RoleProcess, queue.Queue[str | None]]:
+        s = self.spec
+        stderr: IO[str] | None = None
+        if s.log_dir is not None:
+            s.log_dir.mkdir(parents=True, exist_ok=True)
+            stderr = open(s.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
+            self._logs.append(stderr)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **s.env}
+        popen = subprocess.Popen(
+            [sys.executable, "-m", "splitserve.cli", *argv],
+            stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=env,
+        )
+        assert popen.stdout is not None
+        lines: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=_pump, args=(popen.stdout, lines, None), daemon=True, name=name).start()
+        proc = RoleProcess(role, name, popen)
+        self.processes.append(proc)
+        return proc, lines
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (fault-injection in tests)."""
+        for p in self.processes:
+            if p.name == name:
+                p.proc.kill()
+                p.proc.wait()
+
+    def stop(self, timeout: float = 60.0) -> dict[str, int]:
+        """SIGTERM the coordinator first (it stops admitting and drains in-flight requests while the
+        workers still serve them), then the workers; SIGKILL whatever outlives `timeout`."""
+        codes: dict[str, int] = {}
+        coordinators = [p for p in self.processes if p.role == "coordinator"]
+        workers = [p for p in self.processes if p.role != "coordinator"]
+        for group in (coordinators, workers):
+            for p in group:
+                if p.proc.poll() is None:
+                    p.proc.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    codes[p.name] = p.proc.wait(timeout=timeout)
+                except subprocess.TimeoutExpired:
+                    p.proc.kill()
+                    codes[p.name] = p.proc.wait()
+        for f in self._logs:
+            f.close()
+        self._logs.clear()
+        return codes

@@ -1,0 +1,53 @@
+"""`splitserve serve`: a coordinator and its worker pools as local processes, until Ctrl-C/SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+from pathlib import Path
+
+from splitserve.cluster import ClusterSpec, LocalCluster
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by `serve` and `demo`."""
+    parser.add_argument("--model", default="tiny", help="checkpoint directory, or tiny[:SHAPE]")
+    parser.add_argument("--prefill-workers", type=int, default=1)
+    parser.add_argument("--decode-workers", type=int, default=1)
+    parser.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
+    parser.add_argument("--transfer-backend", choices=["ucx", "tcp"], default="tcp")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--log-dir", type=Path, default=None, help="one log file per process (default: stderr)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_cluster_arguments(parser)
+    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+
+
+def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+    from engine.model_dir import resolve_model_dir
+
+    model = str(resolve_model_dir(args.model))  # build the tiny model once, before the workers race for it
+    return ClusterSpec(
+        model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
+        mode=args.mode, host=args.host, port=getattr(args, "port", 0),
+        transfer_backend=args.transfer_backend, log_dir=args.log_dir,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = cluster_spec(args)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    cluster = LocalCluster(spec)
+    cluster.start()
+    workers = ", ".join(p.name for p in cluster.processes[1:])
+    print(f"splitserve: serving {spec.model} on {cluster.grpc_address} ({workers}); Ctrl-C drains and stops",
+          flush=True)
+    stop.wait()  # protects nothing but the process's life: the servers run in the children
+    codes = cluster.stop()
+    print(f"splitserve: stopped ({', '.join(f'{k}={v}' for k, v in codes.items())})", flush=True)
+    return 0 if all(code == 0 for code in codes.values()) else 1
