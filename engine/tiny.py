@@ -49,7 +49,7 @@ BIAS_STD = 0.2
 def make_tiny_model(out_dir: str | Path, shape: str = DEFAULT_SHAPE, seed: int = 0) -> Path:
     """Write the checkpoint for `shape` into `out_dir` (created if needed) and return its path."""
     import torch
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if shape not in SHAPES:
@@ -64,7 +64,8 @@ def make_tiny_model(out_dir: str | Path, shape: str = DEFAULT_SHAPE, seed: int =
     if config.tie_word_embeddings:
         shapes.pop("lm_head.weight", None)
     tensors = {name: _init_tensor(config, name, shape_, seed) for name, shape_ in sorted(shapes.items())}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    # bytes written here (not save_file) so the file gets the usual umask mode like the others
+    (out / "model.safetensors").write_bytes(save(tensors, metadata={"format": "pt"}))
     (out / "tokenizer.json").write_text(tokenizer_json())
     _write_json(
         out / "tokenizer_config.json",

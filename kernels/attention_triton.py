@@ -143,6 +143,8 @@ def paged_attention_triton(
         raise ValueError(f"q is {q.dtype}, caches {k_cache.dtype}/{v_cache.dtype}: tl.dot needs one dtype")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"{num_q_heads} query heads are not a multiple of {num_kv_heads} kv heads")
     group = num_q_heads // num_kv_heads
     out = torch.empty_like(q)
     num_seqs = seq_lens.numel()

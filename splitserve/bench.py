@@ -75,8 +75,9 @@ class BenchResult:
     inputs: dict[str, Any]
 
 
-def summarize(traces: list[RequestTrace], duration: float, args: argparse.Namespace, rate: float,
-              mode: str) -> BenchResult:
+def summarize(
+    traces: list[RequestTrace], duration: float, args: argparse.Namespace, rate: float, mode: str
+) -> BenchResult:
     ok = [t for t in traces if t.ok]
     ttfts = [t.ttft * 1e3 for t in ok]
     tpots = [t.tpot * 1e3 for t in ok if t.tpot is not None]
@@ -85,13 +86,25 @@ def summarize(traces: list[RequestTrace], duration: float, args: argparse.Namesp
     def dist(values: list[float]) -> dict[str, float]:
         return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
 
-    met = sum(1 for t in ok if t.ttft * 1e3 <= args.slo_ttft_ms
-              and (t.tpot is None or t.tpot * 1e3 <= args.slo_tpot_ms))
+    met = sum(
+        1
+        for t in ok
+        if t.ttft * 1e3 <= args.slo_ttft_ms and (t.tpot is None or t.tpot * 1e3 <= args.slo_tpot_ms)
+    )
     return BenchResult(
-        mode=mode, rate=rate, num_requests=len(traces), completed=len(ok), duration_s=duration,
-        output_tok_s=sum(len(t.token_times) for t in ok) / duration, request_s=len(ok) / duration,
-        ttft_ms=dist(ttfts), tpot_ms=dist(tpots), itl_ms=dist(itls),
-        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_attainment=met / len(traces),
+        mode=mode,
+        rate=rate,
+        num_requests=len(traces),
+        completed=len(ok),
+        duration_s=duration,
+        output_tok_s=sum(len(t.token_times) for t in ok) / duration,
+        request_s=len(ok) / duration,
+        ttft_ms=dist(ttfts),
+        tpot_ms=dist(tpots),
+        itl_ms=dist(itls),
+        slo_ttft_ms=args.slo_ttft_ms,
+        slo_tpot_ms=args.slo_tpot_ms,
+        slo_attainment=met / len(traces),
         inputs={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "_module"},
     )
 
@@ -100,8 +113,10 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int] | str
     rng = random.Random(args.seed)
     if args.dataset:
         rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
-        return [(r.get("token_ids") or r["prompt"], int(r.get("max_tokens", args.output_len)))
-                for r in rows[: args.num_requests]]
+        return [
+            (r.get("token_ids") or r["prompt"], int(r.get("max_tokens", args.output_len)))
+            for r in rows[: args.num_requests]
+        ]
     items: list[tuple[list[int] | str, int]] = []
     for _ in range(args.num_requests):
         n = max(1, int(rng.uniform(1 - args.len_jitter, 1 + args.len_jitter) * args.input_len))
@@ -110,20 +125,27 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int] | str
     return items
 
 
-async def run_rate(address: str, items: list[tuple[list[int] | str, int]], rate: float,
-                   args: argparse.Namespace) -> tuple[list[RequestTrace], float]:
+async def run_rate(
+    address: str, items: list[tuple[list[int] | str, int]], rate: float, args: argparse.Namespace
+) -> tuple[list[RequestTrace], float]:
     from splitserve.client import Client
 
     rng = random.Random(args.seed + 1)
     traces = [RequestTrace(len(p), m) for p, m in items]
 
     async with Client(address) as client:
+
         async def one(i: int, prompt: list[int] | str, max_tokens: int) -> None:
             trace = traces[i]
             trace.sent = time.perf_counter()
             try:
-                async for event in client.generate(prompt, max_tokens=max_tokens, ignore_eos=True,
-                                                   temperature=0.0, timeout=args.request_timeout):
+                async for event in client.generate(
+                    prompt,
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    temperature=0.0,
+                    timeout=args.request_timeout,
+                ):
                     if event.WhichOneof("event") == "delta":
                         now = time.perf_counter()
                         trace.token_times.extend([now] * len(event.delta.token_ids))
@@ -141,9 +163,13 @@ async def run_rate(address: str, items: list[tuple[list[int] | str, int]], rate:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=None, help="a running coordinator; default: launch a local cluster")
+    parser.add_argument(
+        "--target", default=None, help="a running coordinator; default: launch a local cluster"
+    )
     add_cluster_arguments(parser)
-    parser.add_argument("--rates", default="1,2,4", help="comma-separated request rates (req/s); 0 = all at once")
+    parser.add_argument(
+        "--rates", default="1,2,4", help="comma-separated request rates (req/s); 0 = all at once"
+    )
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)
@@ -157,14 +183,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def print_table(results: list[BenchResult]) -> None:
-    head = (f"{'mode':<14}{'rate':>6}{'done':>6}{'tok/s':>8}{'ttft p50':>10}{'p90':>8}{'p99':>8}"
-            f"{'tpot p50':>10}{'p90':>8}{'p99':>8}{'itl p50':>9}{'p99':>8}{'slo':>6}")
+    head = (
+        f"{'mode':<14}{'rate':>6}{'done':>6}{'tok/s':>8}{'ttft p50':>10}{'p90':>8}{'p99':>8}"
+        f"{'tpot p50':>10}{'p90':>8}{'p99':>8}{'itl p50':>9}{'p99':>8}{'slo':>6}"
+    )
     print(head)
     for r in results:
-        print(f"{r.mode:<14}{r.rate:>6g}{r.completed:>3}/{r.num_requests:<2}{r.output_tok_s:>8.1f}"
-              f"{r.ttft_ms['p50']:>10.1f}{r.ttft_ms['p90']:>8.1f}{r.ttft_ms['p99']:>8.1f}"
-              f"{r.tpot_ms['p50']:>10.1f}{r.tpot_ms['p90']:>8.1f}{r.tpot_ms['p99']:>8.1f}"
-              f"{r.itl_ms['p50']:>9.1f}{r.itl_ms['p99']:>8.1f}{r.slo_attainment:>6.0%}")
+        print(
+            f"{r.mode:<14}{r.rate:>6g}{r.completed:>3}/{r.num_requests:<2}{r.output_tok_s:>8.1f}"
+            f"{r.ttft_ms['p50']:>10.1f}{r.ttft_ms['p90']:>8.1f}{r.ttft_ms['p99']:>8.1f}"
+            f"{r.tpot_ms['p50']:>10.1f}{r.tpot_ms['p90']:>8.1f}{r.tpot_ms['p99']:>8.1f}"
+            f"{r.itl_ms['p50']:>9.1f}{r.itl_ms['p99']:>8.1f}{r.slo_attainment:>6.0%}"
+        )
     print("(milliseconds; slo = share of requests meeting both the TTFT and the TPOT SLO)")
 
 
@@ -193,4 +223,3 @@ def run(args: argparse.Namespace) -> int:
             for r in results:
                 f.write(json.dumps(asdict(r)) + "\n")
     return 0
-

@@ -95,7 +95,10 @@ class Client:
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
         sampling, stopping = sampling_params(**params)
         req = serving_pb2.GenerateRequest(
-            model=self.model, request_id=request_id, sampling=sampling, stopping=stopping,
+            model=self.model,
+            request_id=request_id,
+            sampling=sampling,
+            stopping=stopping,
             output=serving_pb2.OutputOptions(logprobs=logprobs),
         )
         if isinstance(prompt, str):
@@ -114,7 +117,10 @@ class Client:
     ) -> AsyncIterator[serving_pb2.ChatResponse]:
         sampling, stopping = sampling_params(**params)
         req = serving_pb2.ChatRequest(
-            model=self.model, request_id=request_id, sampling=sampling, stopping=stopping,
+            model=self.model,
+            request_id=request_id,
+            sampling=sampling,
+            stopping=stopping,
             messages=[serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         )
         return self.inference.Chat(req, timeout=timeout, metadata=self.metadata)

@@ -28,8 +28,13 @@ async def _stream(args: argparse.Namespace) -> int:
 
     from splitserve.client import Client, Completion
 
-    params = {"max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-              "seed": args.seed, "stop": args.stop}
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
     completion = Completion()
     async with Client(args.target, api_key=os.environ.get("SPLITSERVE_API_KEY"), model=args.model) as client:
         stream: AsyncIterator[Any]
@@ -50,8 +55,11 @@ async def _stream(args: argparse.Namespace) -> int:
             return 1
     u, t = completion.usage, completion.timings
     if u is not None and t is not None:
-        print(f"\n[{completion.finish_reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens; "
-              f"ttft {t.first_token_ms:.1f} ms, total {t.total_ms:.1f} ms]", file=sys.stderr)
+        print(
+            f"\n[{completion.finish_reason}; {u.prompt_tokens} prompt + {u.completion_tokens} completion tokens; "
+            f"ttft {t.first_token_ms:.1f} ms, total {t.total_ms:.1f} ms]",
+            file=sys.stderr,
+        )
     return 0
 
 

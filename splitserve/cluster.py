@@ -107,27 +107,76 @@ class LocalCluster:
         s = self.spec
         try:
             coord = self._spawn(
-                "coordinator", "coordinator",
-                ["--model", s.model, "--host", s.host, "--port", str(s.port), "--control-host", s.host,
-                 "--control-port", "0", "--metrics-port", "0", *s.coordinator_args],
+                "coordinator",
+                "coordinator",
+                [
+                    "--model",
+                    s.model,
+                    "--host",
+                    s.host,
+                    "--port",
+                    str(s.port),
+                    "--control-host",
+                    s.host,
+                    "--control-port",
+                    "0",
+                    "--metrics-port",
+                    "0",
+                    *s.coordinator_args,
+                ],
             )
             control = coord.ready["control_address"].removeprefix("tcp://")
-            common = ["--model", s.model, "--coordinator", control, "--advertise-host", s.host,
-                      "--control-port", "0", "--transfer-port", "0", "--metrics-port", "0",
-                      "--transfer-backend", s.transfer_backend]
+            common = [
+                "--model",
+                s.model,
+                "--coordinator",
+                control,
+                "--advertise-host",
+                s.host,
+                "--control-port",
+                "0",
+                "--transfer-port",
+                "0",
+                "--metrics-port",
+                "0",
+                "--transfer-backend",
+                s.transfer_backend,
+            ]
             pending = []
             if s.mode == "colocated":
                 for i in range(s.decode_workers):
-                    pending.append(self._launch("colocated", f"colocated-{i}",
-                                                ["decode", *common, "--mode", "colocated",
-                                                 "--worker-id", f"colocated-{i}", *s.decode_args]))
+                    pending.append(
+                        self._launch(
+                            "colocated",
+                            f"colocated-{i}",
+                            [
+                                "decode",
+                                *common,
+                                "--mode",
+                                "colocated",
+                                "--worker-id",
+                                f"colocated-{i}",
+                                *s.decode_args,
+                            ],
+                        )
+                    )
             else:
                 for i in range(s.prefill_workers):
-                    pending.append(self._launch("prefill", f"prefill-{i}",
-                                                ["prefill", *common, "--worker-id", f"prefill-{i}", *s.prefill_args]))
+                    pending.append(
+                        self._launch(
+                            "prefill",
+                            f"prefill-{i}",
+                            ["prefill", *common, "--worker-id", f"prefill-{i}", *s.prefill_args],
+                        )
+                    )
                 for i in range(s.decode_workers):
-                    pending.append(self._launch("decode", f"decode-{i}",
-                                                ["decode", *common, "--worker-id", f"decode-{i}", *s.decode_args]))
+                    pending.append(
+                        self._launch(
+                            "decode",
+                            f"decode-{i}",
+                            ["decode", *common, "--worker-id", f"decode-{i}", *s.decode_args],
+                        )
+                    )
             for proc, lines in pending:  # workers load their models in parallel
                 proc.wait_ready(lines, self.ready_timeout)
         except BaseException:
@@ -150,7 +199,11 @@ class LocalCluster:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **s.env}
         popen = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", *argv],
-            stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL, text=True, env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env=env,
         )
         assert popen.stdout is not None
         lines: queue.Queue[str | None] = queue.Queue()

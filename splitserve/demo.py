@@ -36,20 +36,28 @@ async def _ask(address: str, max_tokens: int) -> None:
                 print(event.delta.text, end="", flush=True)
     t, u = completion.timings, completion.usage
     assert t is not None and u is not None
-    print(f"\n\nfinish: {completion.finish_reason}   tokens: prompt {u.prompt_tokens}, "
-          f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens}")
-    print("timings (ms): " + "  ".join(
-        f"{name} {getattr(t, name + '_ms'):.1f}"
-        for name in ("queue", "prefill", "kv_transfer", "first_token", "decode", "total")
-    ))
+    print(
+        f"\n\nfinish: {completion.finish_reason}   tokens: prompt {u.prompt_tokens}, "
+        f"completion {u.completion_tokens}, cached {u.cached_prompt_tokens}"
+    )
+    print(
+        "timings (ms): "
+        + "  ".join(
+            f"{name} {getattr(t, name + '_ms'):.1f}"
+            for name in ("queue", "prefill", "kv_transfer", "first_token", "decode", "total")
+        )
+    )
     print("note: the built-in tiny model has random weights, so the answer is gibberish by design.")
 
 
 def run(args: argparse.Namespace) -> int:
     spec = cluster_spec(args)
     with LocalCluster(spec) as cluster:
-        print(f"cluster up: coordinator {cluster.grpc_address}, "
-              f"workers {', '.join(p.name for p in cluster.processes[1:])}", file=sys.stderr)
+        print(
+            f"cluster up: coordinator {cluster.grpc_address}, "
+            f"workers {', '.join(p.name for p in cluster.processes[1:])}",
+            file=sys.stderr,
+        )
         asyncio.run(_ask(cluster.grpc_address, args.max_tokens))
         codes = cluster.stop()
     print(f"cluster stopped cleanly: {all(c == 0 for c in codes.values())} ({codes})")

@@ -18,7 +18,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     parser.add_argument("--transfer-backend", choices=["ucx", "tcp"], default="tcp")
     parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--log-dir", type=Path, default=None, help="one log file per process (default: stderr)")
+    parser.add_argument(
+        "--log-dir", type=Path, default=None, help="one log file per process (default: stderr)"
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,9 +33,14 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
 
     model = str(resolve_model_dir(args.model))  # build the tiny model once, before the workers race for it
     return ClusterSpec(
-        model=model, prefill_workers=args.prefill_workers, decode_workers=args.decode_workers,
-        mode=args.mode, host=args.host, port=getattr(args, "port", 0),
-        transfer_backend=args.transfer_backend, log_dir=args.log_dir,
+        model=model,
+        prefill_workers=args.prefill_workers,
+        decode_workers=args.decode_workers,
+        mode=args.mode,
+        host=args.host,
+        port=getattr(args, "port", 0),
+        transfer_backend=args.transfer_backend,
+        log_dir=args.log_dir,
     )
 
 
@@ -45,8 +52,10 @@ def run(args: argparse.Namespace) -> int:
     cluster = LocalCluster(spec)
     cluster.start()
     workers = ", ".join(p.name for p in cluster.processes[1:])
-    print(f"splitserve: serving {spec.model} on {cluster.grpc_address} ({workers}); Ctrl-C drains and stops",
-          flush=True)
+    print(
+        f"splitserve: serving {spec.model} on {cluster.grpc_address} ({workers}); Ctrl-C drains and stops",
+        flush=True,
+    )
     stop.wait()  # protects nothing but the process's life: the servers run in the children
     codes = cluster.stop()
     print(f"splitserve: stopped ({', '.join(f'{k}={v}' for k, v in codes.items())})", flush=True)

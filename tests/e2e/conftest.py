@@ -1,0 +1,96 @@
+"""End-to-end fixtures: real coordinator, prefill and decode processes on 127.0.0.1 (ports from the OS)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from splitserve.client import Client
+from splitserve.cluster import ClusterSpec, LocalCluster
+from splitserve.v1 import serving_pb2
+
+API_KEY = "e2e-secret"
+
+
+def start_cluster(spec: ClusterSpec, tmp: Path) -> LocalCluster:
+    spec.log_dir = tmp / "logs"
+    cluster = LocalCluster(spec, ready_timeout=240)
+    cluster.start()
+    return cluster
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("llama-2l")
+
+
+@pytest.fixture(scope="session")
+def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    """1 prefill + 2 decode workers over UCX, API key required."""
+    spec = ClusterSpec(
+        model=str(model_dir),
+        prefill_workers=1,
+        decode_workers=2,
+        transfer_backend="ucx",
+        env={"SPLITSERVE_API_KEY": API_KEY},
+        prefill_args=["--max-num-batched-tokens", "96", "--block-size", "4"],
+        decode_args=["--block-size", "4"],
+    )
+    c = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
+    yield c
+    codes = c.stop()
+    assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
+
+
+def client_for(cluster: LocalCluster, api_key: str | None = API_KEY) -> Client:
+    return Client(cluster.grpc_address, api_key=api_key)
+
+
+async def wait_quiescent(client: Client, timeout: float = 30.0) -> serving_pb2.GetPoolStateResponse:
+    """Bounded wait until no request is active and every pool holds no block; returns that state.
+
+    Releases happen asynchronously after a stream ends (Abort fan-out, KV acks), so the test polls the
+    admin RPC under a deadline instead of sleeping a fixed time.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        state = await client.pool_state(fresh=True)
+        busy = state.active_requests or any(w.pool.held_blocks for w in state.workers)
+        if not busy or time.monotonic() > deadline:
+            return state
+        await asyncio.sleep(0.05)  # poll interval of a bounded wait, not a synchronization sleep
+
+
+def assert_pools_clean(state: serving_pb2.GetPoolStateResponse) -> None:
+    assert state.active_requests == 0
+    assert state.workers, "no workers reported"
+    for w in state.workers:
+        assert w.pool.integrity_ok, f"{w.worker_id}: {w.pool.integrity_error}"
+        assert w.pool.held_blocks == 0, f"{w.worker_id} still holds {w.pool.held_blocks} blocks"
+        assert w.pool.free_blocks + w.pool.cached_blocks == w.pool.total_blocks
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    """transformers' greedy continuation of one prompt (no padding), stopping at EOS like the server."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
+        with torch.inference_mode():
+            x = torch.tensor([ids])
+            y = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                do_sample=False,
+                max_new_tokens=max_new_tokens,
+                pad_token_id=0,
+            )
+        return [int(t) for t in y[0, len(ids) :]]
+
+    return generate
