@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import KeysView, Sequence
 from dataclasses import dataclass
 
 
@@ -67,6 +67,10 @@ class BlockPool:
     def num_cached_blocks(self) -> int:
         """Blocks registered in the prefix cache, referenced or not."""
         return len(self._cached)
+
+    def cached_hashes(self) -> KeysView[bytes]:
+        """The hash of every cached block, referenced or not (a live view: copy it for a snapshot)."""
+        return self._cached.keys()
 
     @property
     def num_held_blocks(self) -> int:

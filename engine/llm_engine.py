@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +14,10 @@ from engine.config import EngineConfig
 from engine.kv_manager import KVCacheManager, cdiv
 from engine.loader import LoadedModel, load_model
 from engine.model import CausalLM
-from engine.runner import ModelRunner
+from engine.runner import ModelRunner, StepResult
 from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
 
 log = structlog.get_logger(__name__)
@@ -107,16 +108,52 @@ class LLMEngine:
                 f"prompt + max_tokens needs more KV blocks than this engine has ({self.pool.num_blocks})"
             )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+    def new_sequence(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: Seq[int] = (),
+    ) -> Sequence:
+        """Validate and build a sequence without queueing it (the caller queues it or joins it running).
+
+        `output_token_ids` are tokens already emitted (a resumed request): the sequence is prompt +
+        output, and its next sample is output position `len(output_token_ids)`.
+        """
         self.validate(prompt_token_ids, params)
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(
+            request_id,
+            [*prompt_token_ids, *output_token_ids],
+            params,
+            num_prompt_tokens=len(prompt_token_ids),
+        )
         if params.seed is not None:
             seq.generator = make_generator(params.seed, self.device)
+        return seq
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        output_token_ids: Seq[int] = (),
+    ) -> Sequence:
+        self._check_new(request_id)
+        seq = self.new_sequence(request_id, prompt_token_ids, params, output_token_ids)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose KV is already in its blocks (`Scheduler.add_running`); the engine
+        owns it from now on."""
+        self._check_new(seq.request_id)
+        self._requests[seq.request_id] = seq
+        self.scheduler.add_running(seq)
+
+    def _check_new(self, request_id: str) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
 
     def abort_request(self, request_id: str) -> bool:
         seq = self.scheduler.abort(request_id)
@@ -127,11 +164,26 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StepOutput]:
-        out = self.scheduler.schedule()
-        self.stats.preemptions += len(out.preempted)
+        out = self.schedule()
         if not out.scheduled:
             return []
-        result = self.runner.execute(out)
+        return self.finish_step(out, self.execute(out))
+
+    def schedule(self) -> SchedulerOutput:
+        """First part of `step`, on the thread that owns the engine: pick the step's work and allocate
+        its slots (this may preempt)."""
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        return out
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        """The forward and sampling of a scheduled step. It reads only the runner and the scheduled
+        sequences, so it may run on another thread while the owner handles messages, provided the
+        owner neither frees nor changes those sequences before `finish_step`."""
+        return self.runner.execute(out)
+
+    def finish_step(self, out: SchedulerOutput, result: StepResult) -> list[StepOutput]:
+        """Last part of `step`, on the owning thread: advance the sequences and report their outputs."""
         finished = set(self.scheduler.update(out, result.sampled))
         self.stats.steps += 1
         self.stats.tokens_computed += out.num_tokens

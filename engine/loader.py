@@ -4,9 +4,10 @@ Nothing here touches the network: the directory must hold config.json, either `m
 `model.safetensors.index.json` plus its shards, and the tokenizer files AutoTokenizer reads.
 
 The model identity is a SHA-256 hex digest over, in order, each safetensors file (sorted by name), then
-tokenizer.json, tokenizer_config.json (which holds the chat template), chat_template.jinja and
-config.json where present; each part is framed by its file name and byte length. It depends only on
-file bytes, so every process that loads the same directory computes the same identity.
+tokenizer.json, tokenizer_config.json (which holds the chat template), chat_template.jinja, config.json
+and generation_config.json (it adds stop ids) where present; each part is framed by its file name and
+byte length. It depends only on file bytes, so every process that loads the same directory computes
+the same identity.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ log = structlog.get_logger(__name__)
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-_IDENTITY_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json")
+_IDENTITY_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "config.json",
+    "generation_config.json",
+)
 _CHUNK = 1 << 22
 # tensors some checkpoints carry that no supported model has as a parameter
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)

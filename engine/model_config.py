@@ -8,7 +8,7 @@ transformers loads (the tiny-checkpoint maker uses it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # model_type -> the causal-LM class transformers instantiates for it
@@ -55,7 +55,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    rope_scaling: dict[str, Any] | None = field(hash=False)  # a dict: left out of the hash
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool
@@ -98,10 +98,6 @@ class ModelConfig:
     def o_proj_bias(self) -> bool:
         """Whether `self_attn.o_proj` has a bias (Llama/Qwen3 with attention_bias; never Qwen2)."""
         return self.attention_bias and self.model_type != "qwen2"
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
 
     def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every parameter's Hugging Face name and shape (no `lm_head.weight` when tied)."""

@@ -48,11 +48,15 @@ class Scheduler:
         eos_token_ids: tuple[int, ...],
         *,
         keep_blocks_on_finish: bool = False,
+        prefill_only: bool = False,
     ) -> None:
         """With `keep_blocks_on_finish`, a sequence that finishes normally keeps its block table: the
         caller (the prefill worker, which still has to ship the KV) frees it with `kv.free(seq)`.
-        Aborted and preempted sequences always release at once."""
+        Aborted and preempted sequences always release at once. With `prefill_only` (the prefill
+        worker), a sequence finishes after its first sample: `finish_reason` is its stop reason, or
+        None when decoding goes on elsewhere."""
         self.keep_blocks_on_finish = keep_blocks_on_finish
+        self.prefill_only = prefill_only
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -130,7 +134,7 @@ class Scheduler:
             seq.token_ids.append(token)
             seq.output_logprobs.append(logprob)
             reason = self.stop_reason(seq)
-            if reason is not None:
+            if reason is not None or self.prefill_only:
                 self.running.remove(seq)
                 self._finish(seq, reason, release=not self.keep_blocks_on_finish)
                 finished.append(seq)
@@ -159,7 +163,7 @@ class Scheduler:
         self.kv.free(seq)
         seq.num_computed_tokens = 0
 
-    def _finish(self, seq: Sequence, reason: FinishReason, *, release: bool = True) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason | None, *, release: bool = True) -> None:
         if release:
             self.kv.free(seq)
         seq.status = SequenceStatus.FINISHED

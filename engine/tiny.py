@@ -47,7 +47,11 @@ BIAS_STD = 0.2
 
 
 def make_tiny_model(out_dir: str | Path, shape: str = DEFAULT_SHAPE, seed: int = 0) -> Path:
-    """Write the checkpoint for `shape` into `out_dir` (created if needed) and return its path."""
+    """Write the checkpoint for `shape` into `out_dir` (created if needed) and return its path.
+
+    The five files are overwritten; anything else already in `out_dir` is left alone (and would count
+    toward the model identity if it is a file the loader hashes), so pass a fresh directory.
+    """
     import torch
     from safetensors.torch import save
     from transformers import AutoConfig, AutoModelForCausalLM

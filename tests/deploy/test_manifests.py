@@ -301,6 +301,8 @@ def test_workers_advertise_pod_ip_and_register_with_the_coordinator_service(m: M
         env = {e["name"]: e for e in c["env"]}
         assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
         assert flag(c["args"], "--advertise-host") == "$(POD_IP)"
+        assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+        assert flag(c["args"], "--worker-id") == "$(POD_NAME)"  # unique identity on the ROUTER
         host, _, port = (flag(c["args"], "--coordinator") or "").rpartition(":")
         name, *domain = host.split(".")
         assert name == service["metadata"]["name"] and int(port) in service_ports

@@ -225,6 +225,7 @@ def test_dtype_and_generation_eos(tiny_model_dir: Callable[[str], Path], tmp_pat
     gen = json.loads((model_dir / "generation_config.json").read_text())
     (model_dir / "generation_config.json").write_text(json.dumps(gen | {"eos_token_id": [4, 9]}))
     assert load_config(model_dir).eos_token_ids == (*SHAPES["llama-2l"].eos_token_ids, 9)
+    assert model_identity(model_dir) != model_identity(tiny_model_dir("llama-2l"))
 
 
 def test_sharded_checkpoint_loads_the_same_weights(

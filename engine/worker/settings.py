@@ -1,0 +1,118 @@
+"""Worker command-line flags and the settings they resolve to (shared by prefill, decode, colocated).
+
+Every flag is also settable as `SPLITSERVE_<FLAG>` (splitserve/cli.py). This module stays import-light
+(no torch, no zmq) because `splitserve --help` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+ROLES = ("prefill", "decode", "colocated")
+
+
+@dataclass(slots=True)
+class WorkerSettings:
+    """Everything one worker process needs besides the loaded model. Created once, never mutated."""
+
+    role: str
+    model: str
+    coordinator: str
+    worker_id: str
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    served_model_name: str = ""
+    advertise_host: str = "127.0.0.1"
+    control_port: int = 0
+    transfer_port: int = 0
+    transfer_backend: str = "tcp"
+    metrics_port: int = 0
+    drain_timeout_s: float = 30.0
+    lease_ms: int = 10_000
+    register_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.transfer_backend not in ("ucx", "tcp"):
+            raise ValueError(f"--transfer-backend must be ucx or tcp, got {self.transfer_backend!r}")
+        if self.lease_ms < 1:
+            raise ValueError(f"--lease-ms must be positive, got {self.lease_ms}")
+        if not self.served_model_name:
+            self.served_model_name = default_served_name(self.model)
+
+    @property
+    def coordinator_address(self) -> str:
+        return self.coordinator if "://" in self.coordinator else f"tcp://{self.coordinator}"
+
+
+def default_served_name(model: str) -> str:
+    """The coordinator's default: "tiny" for the built-in model, else the checkpoint directory's name."""
+    if model == "tiny" or model.startswith("tiny:"):
+        return "tiny"
+    return Path(model).name
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = False) -> None:
+    """The flags of `splitserve prefill|decode`; `with_mode` adds `--mode decode|colocated`."""
+    a = parser.add_argument
+    a("--model", required=True, help="checkpoint directory, or tiny[:SHAPE] for the built-in model")
+    a("--served-model-name", default="", help="model name to register (default: as the coordinator)")
+    a("--coordinator", required=True, help="the coordinator's control endpoint HOST:PORT")
+    a("--worker-id", default="", help="unique worker id (default: ROLE-HOSTNAME-PID)")
+    a("--advertise-host", default="127.0.0.1", help="host peers use to reach this worker")
+    a("--control-port", type=int, default=0, help="this worker's control ROUTER port (0: OS-chosen)")
+    a("--transfer-port", type=int, default=0, help="bulk KV transfer listener port (0: OS-chosen)")
+    a("--transfer-backend", choices=("ucx", "tcp"), default="ucx", help="bulk KV transport")
+    a("--metrics-port", type=int, default=0, help="/metrics, /livez, /readyz port (0: OS-chosen)")
+    a("--block-size", type=int, default=16, help="tokens per KV block")
+    a("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (else --kv-cache-memory)")
+    a("--kv-cache-memory", type=int, default=256 << 20, help="KV pool bytes when --num-gpu-blocks is unset")
+    a("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
+    a("--max-num-seqs", type=int, default=64, help="sequences in one step at most")
+    a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    a("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights and KV dtype")
+    a("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
+    a("--lease-ms", type=int, default=10_000, help="lease of a held prefill result or a reservation")
+    a("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
+    a("--register-timeout", type=float, default=120.0, help="seconds to wait for the coordinator's ack")
+    a("--debug-integrity", action="store_true", help="run check_integrity() after every step")
+    if with_mode:
+        a("--mode", choices=("decode", "colocated"), default="decode", help="colocated: prefill here too")
+
+
+def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
+    engine = EngineConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_gpu_blocks,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=not args.no_prefix_caching,
+        dtype=args.dtype,
+        device=args.device,
+        debug_integrity=args.debug_integrity,
+    )
+    return WorkerSettings(
+        role=role,
+        model=args.model,
+        coordinator=args.coordinator,
+        worker_id=args.worker_id or f"{role}-{socket.gethostname()}-{os.getpid()}",
+        engine=engine,
+        served_model_name=args.served_model_name,
+        advertise_host=args.advertise_host,
+        control_port=args.control_port,
+        transfer_port=args.transfer_port,
+        transfer_backend=args.transfer_backend,
+        metrics_port=args.metrics_port,
+        drain_timeout_s=args.drain_timeout,
+        lease_ms=args.lease_ms,
+        register_timeout_s=args.register_timeout,
+    )
