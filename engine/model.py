@@ -27,6 +27,7 @@ class _Layer:
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
     o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
     post_norm: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -77,6 +78,7 @@ class CausalLM:
             q_norm=w[a + "q_norm.weight"] if self.config.qk_norm else None,
             k_norm=w[a + "k_norm.weight"] if self.config.qk_norm else None,
             o_proj=w[a + "o_proj.weight"],
+            o_bias=w[a + "o_proj.bias"] if self.config.o_proj_bias else None,
             post_norm=w[p + "post_attention_layernorm.weight"],
             gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
             down=w[p + "mlp.down_proj.weight"],
@@ -132,4 +134,4 @@ class CausalLM:
             out = kernels.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens, self.scale
             )
-        return F.linear(out.reshape(n, self.q_size), layer.o_proj)
+        return F.linear(out.reshape(n, self.q_size), layer.o_proj, layer.o_bias)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -11,6 +12,17 @@ DEFAULT_TINY_SHAPE = "llama-2l"
 
 def cache_dir() -> Path:
     return Path(os.environ.get("SPLITSERVE_CACHE", Path.home() / ".cache" / "splitserve"))
+
+
+def _tiny_recipe_digest() -> str:
+    """Digest of everything the tiny checkpoint is made from, so a changed recipe never reuses a stale cache."""
+    import engine
+
+    root = Path(engine.__file__).parent
+    h = hashlib.sha256()
+    for path in [root / "tiny.py", root / "shapes.py", root / "model_config.py", *sorted((root / "data").glob("*"))]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:12]
 
 
 def resolve_model_dir(spec: str | Path) -> Path:
@@ -25,7 +37,7 @@ def resolve_model_dir(spec: str | Path) -> Path:
         from engine.tiny import make_tiny_model
 
         shape = text.partition(":")[2] or DEFAULT_TINY_SHAPE
-        target = cache_dir() / f"tiny-{shape}"
+        target = cache_dir() / f"tiny-{shape}-{_tiny_recipe_digest()}"
         if not (target / "config.json").exists():
             staging = target.with_name(f"{target.name}.tmp{os.getpid()}")
             make_tiny_model(staging, shape=shape)
