@@ -20,12 +20,13 @@ import time
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 
 from coordinator.chat import TokenizerThread
-from coordinator.errors import RpcError, invalid
+from coordinator.errors import RpcError, empty_prompt, invalid
 from coordinator.served_model import ServedModel
 from engine.sampling_params import SamplingParams
 from splitserve.v1 import control_pb2, serving_pb2
@@ -34,7 +35,7 @@ from splitserve.wire import pack_ids
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 128
-Metadata = Iterable[tuple[str, Union[str, bytes]]]
+Metadata = Iterable[tuple[str, str | bytes]]
 
 # SamplingParams field -> the request path a rejection names
 _FIELD_PATHS = {
@@ -160,7 +161,7 @@ class Admission:
                 metadata={"model": name},
             )
 
-    def check_size(self, request: serving_pb2.GenerateRequest | serving_pb2.ChatRequest) -> None:
+    def check_size(self, request: Message) -> None:
         size = request.ByteSize()
         if size > self.max_request_bytes:
             raise invalid(
@@ -192,10 +193,10 @@ class Admission:
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
             if not request.token_ids.ids:
-                raise _empty("token_ids", "token_ids is empty: send at least one prompt token id")
+                raise empty_prompt("token_ids", "token_ids is empty: send at least one prompt token id")
             self.check_token_ids(request.token_ids.ids, "token_ids.ids")
         elif not request.text:
-            raise _empty("text", "the prompt is empty: set a non-empty text or token_ids")
+            raise empty_prompt("text", "the prompt is empty: set a non-empty text or token_ids")
         self.check_size(request)
         if kind == "token_ids":
             ids, where = list(request.token_ids.ids), "token_ids"
@@ -212,7 +213,7 @@ class Admission:
         params = self._params(request.sampling, request.stopping, request.output)
         request_id = _request_id(request.request_id)
         if not request.messages:
-            raise _empty("messages", "messages is empty: send at least one chat message")
+            raise empty_prompt("messages", "messages is empty: send at least one chat message")
         self.check_size(request)
         rendered = await self.tokenizer.render_chat(request.messages, request.template)
         return self._finish(request, request_id, params, rendered.token_ids, "messages", time_remaining)
@@ -224,12 +225,12 @@ class Admission:
         output: serving_pb2.OutputOptions,
     ) -> SamplingParams:
         """Every knob with its default, range-checked by SamplingParams; max_tokens may still drop."""
-        given = {
-            f.name: getattr(sampling, f.name) for f in sampling.DESCRIPTOR.fields if sampling.HasField(f.name)
+        given: dict[str, Any] = {f.name: value for f, value in sampling.ListFields()}
+        given |= {
+            f.name: value
+            for f, value in stopping.ListFields()
+            if f.name in ("max_tokens", "min_tokens", "ignore_eos")
         }
-        for name in ("max_tokens", "min_tokens", "ignore_eos"):
-            if stopping.HasField(name):
-                given[name] = getattr(stopping, name)
         given.setdefault("max_tokens", max(DEFAULT_MAX_TOKENS, given.get("min_tokens", 0)))
         if output.HasField("logprobs"):
             given["logprobs"] = output.logprobs
@@ -258,7 +259,7 @@ class Admission:
         """Token-limit checks on the tokenized prompt, then the resolved request."""
         n, context = len(prompt), self.model.context_length
         if n == 0:
-            raise _empty(where, f"the {where} tokenized to no tokens: send a non-empty prompt")
+            raise empty_prompt(where, f"the {where} tokenized to no tokens: send a non-empty prompt")
         if n >= context:
             raise invalid(
                 where,
@@ -301,7 +302,9 @@ class Admission:
             model=self.model,
             prompt_token_ids=prompt,
             params=params,
-            skip_special_tokens=output.skip_special_tokens if output.HasField("skip_special_tokens") else True,
+            skip_special_tokens=output.skip_special_tokens
+            if output.HasField("skip_special_tokens")
+            else True,
             include_stop_str_in_output=request.stopping.include_stop_str_in_output,
             return_prompt_token_ids=output.return_prompt_token_ids,
             priority=request.priority,
@@ -319,10 +322,6 @@ def _request_id(given: str) -> str:
             f"(got {len(given)} characters); leave it empty to have one assigned",
         )
     return given
-
-
-def _empty(field_path: str, message: str) -> RpcError:
-    return invalid(field_path, message, reason="EMPTY_PROMPT")
 
 
 def _field_path(message: str, stop: Sequence[str]) -> str:

@@ -66,7 +66,9 @@ class TokenizerThread:
         add_generation_prompt = (
             options.add_generation_prompt if options.HasField("add_generation_prompt") else True
         )
-        continue_final = options.continue_final_message if options.HasField("continue_final_message") else False
+        continue_final = (
+            options.continue_final_message if options.HasField("continue_final_message") else False
+        )
         if add_generation_prompt and continue_final:
             raise invalid(
                 "template.continue_final_message",

@@ -22,19 +22,21 @@ DOMAIN = "splitserve"
 
 
 class RpcError(Exception):
-    """A call that ends with `code`; `reason` is an `ErrorReason` name without `ERROR_REASON_`."""
+    """A call that ends with `code`; `reason` is an `ErrorReason` name without `ERROR_REASON_`, or None
+    for a status gRPC itself would give (DEADLINE_EXCEEDED), which carries no details."""
 
     def __init__(
         self,
         code: grpc.StatusCode,
-        reason: str,
+        reason: str | None,
         message: str,
         *,
         field: str | None = None,
         metadata: Mapping[str, object] | None = None,
         retry_after_s: float | None = None,
     ) -> None:
-        serving_pb2.ErrorReason.Value("ERROR_REASON_" + reason)  # ValueError on a typo
+        if reason is not None:
+            serving_pb2.ErrorReason.Value("ERROR_REASON_" + reason)  # ValueError on a typo
         super().__init__(message)
         self.code = code
         self.reason = reason
@@ -44,11 +46,15 @@ class RpcError(Exception):
         self.retry_after_s = retry_after_s
 
     def status_proto(self) -> status_pb2.Status:
-        details: list[object] = [
-            error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata)
-        ]
+        details: list[object] = []
+        if self.reason is not None:
+            details.append(
+                error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata)
+            )
         if self.field is not None:
-            violation = error_details_pb2.BadRequest.FieldViolation(field=self.field, description=self.message)
+            violation = error_details_pb2.BadRequest.FieldViolation(
+                field=self.field, description=self.message
+            )
             details.append(error_details_pb2.BadRequest(field_violations=[violation]))
         if self.retry_after_s is not None:
             delay = duration_pb2.Duration()
@@ -75,3 +81,7 @@ def invalid(field: str, message: str, reason: str = "INVALID_PARAMETER", **metad
 
 def unavailable(reason: str, message: str, retry_after_s: float | None = None) -> RpcError:
     return RpcError(grpc.StatusCode.UNAVAILABLE, reason, message, retry_after_s=retry_after_s)
+
+
+def empty_prompt(field: str, message: str) -> RpcError:
+    return invalid(field, message, reason="EMPTY_PROMPT")

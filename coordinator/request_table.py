@@ -110,6 +110,8 @@ class RequestTable:
         self._by_request_id: dict[str, RequestRecord] = {}
         self.metrics = metrics
         self.late_outputs_dropped = 0
+        self._empty = asyncio.Event()
+        self._empty.set()
 
     def __len__(self) -> int:
         return len(self._by_rid)
@@ -138,7 +140,12 @@ class RequestTable:
         self._by_rid[record.rid] = record
         self._by_request_id[admitted.request_id] = record
         self.metrics.active_requests.set(len(self._by_rid))
+        self._empty.clear()
         return record
+
+    async def wait_empty(self) -> None:
+        """Return once no request is in flight (the drain waits on this, bounded by its timeout)."""
+        await self._empty.wait()
 
     def bump(self, record: RequestRecord) -> int:
         """A new version: everything older is stale from now on. Returns the new generation."""
@@ -155,6 +162,8 @@ class RequestTable:
         if self._by_request_id.get(record.admitted.request_id) is record:
             del self._by_request_id[record.admitted.request_id]
         self.metrics.active_requests.set(len(self._by_rid))
+        if not self._by_rid:
+            self._empty.set()
         if event is not None:
             record.events.put_nowait(event)
 

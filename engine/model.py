@@ -33,6 +33,20 @@ class _Layer:
     down: torch.Tensor
 
 
+def linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight_t (+ bias)` with the weight stored transposed (`[in, out]`, contiguous).
+
+    On CPU a skinny activation (decode) times an `[in, out]` weight runs ~25% faster than
+    `F.linear` over the `[out, in]` weight (measured: 6.1 vs 8.0 ms for the dim-512 6-layer
+    shape at batch 1); at larger batches the two are equal.
+    """
+    return torch.addmm(bias, x, weight_t) if bias is not None else x @ weight_t
+
+
+def _t(weight: torch.Tensor) -> torch.Tensor:
+    return weight.t().contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in float32, cast back, then scaled (Hugging Face's order of operations)."""
     x32 = x.float()
@@ -55,7 +69,7 @@ class CausalLM:
         self.kv_size = config.num_key_value_heads * config.head_dim
         self.embed = weights["model.embed_tokens.weight"]
         self.norm = weights["model.norm.weight"]
-        self.lm_head = self.embed if config.tie_word_embeddings else weights["lm_head.weight"]
+        self.lm_head_t = _t(self.embed if config.tie_word_embeddings else weights["lm_head.weight"])
         self.layers = [self._layer(weights, i) for i in range(config.num_hidden_layers)]
         inv_freq, attention_scaling = rope_inv_freq(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
@@ -73,15 +87,15 @@ class CausalLM:
             bias = torch.cat([w[a + f"{n}_proj.bias"] for n in "qkv"])
         return _Layer(
             input_norm=w[p + "input_layernorm.weight"],
-            qkv=torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"]),
+            qkv=_t(torch.cat([w[a + f"{n}_proj.weight"] for n in "qkv"])),
             qkv_bias=bias,
             q_norm=w[a + "q_norm.weight"] if self.config.qk_norm else None,
             k_norm=w[a + "k_norm.weight"] if self.config.qk_norm else None,
-            o_proj=w[a + "o_proj.weight"],
+            o_proj=_t(w[a + "o_proj.weight"]),
             o_bias=w[a + "o_proj.bias"] if self.config.o_proj_bias else None,
             post_norm=w[p + "post_attention_layernorm.weight"],
-            gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-            down=w[p + "mlp.down_proj.weight"],
+            gate_up=_t(torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]])),
+            down=_t(w[p + "mlp.down_proj.weight"]),
         )
 
     @torch.inference_mode()
@@ -98,10 +112,10 @@ class CausalLM:
             hidden = residual + x
             residual = hidden
             x = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = linear(x, layer.gate_up).chunk(2, dim=-1)
+            hidden = residual + linear(F.silu(gate) * up, layer.down)
         last = rms_norm(hidden[ctx.sample_indices], self.norm, cfg.rms_norm_eps)
-        return F.linear(last, self.lm_head).float()
+        return linear(last, self.lm_head_t).float()
 
     def _attention(
         self,
@@ -115,7 +129,7 @@ class CausalLM:
     ) -> torch.Tensor:
         cfg = self.config
         n = x.shape[0]
-        qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+        qkv = linear(x, layer.qkv, layer.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(n, cfg.num_attention_heads, cfg.head_dim)
         k = k.view(n, cfg.num_key_value_heads, cfg.head_dim)
@@ -134,4 +148,4 @@ class CausalLM:
             out = kernels.paged_prefill_attention(
                 q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens, self.scale
             )
-        return F.linear(out.reshape(n, self.q_size), layer.o_proj, layer.o_bias)
+        return linear(out.reshape(n, self.q_size), layer.o_proj, layer.o_bias)

@@ -75,19 +75,19 @@ def paged_prefill_attention(
 def _gather_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Padded ``[B, Hkv, L, D]`` K and V (L = max seq len) and the ``[B, L]`` valid-key mask."""
+    """Padded ``[B, Hkv, L, D]`` K and V (L = max seq len rounded up to whole blocks) and the
+    ``[B, L]`` valid-key mask."""
     num_seqs, block_size = seq_lens.numel(), k_cache.shape[1]
     max_len = int(seq_lens.max())
     table = block_tables[:, : -(-max_len // block_size)].clamp(min=0).long().flatten()
     # One row per block: index_select on 2-D rows is ~10x faster on CPU than on the 4-D view.
     k, v = (
-        cache.flatten(1)
-        .index_select(0, table)
-        .view(num_seqs, -1, *cache.shape[2:])[:, :max_len]
-        .transpose(1, 2)
+        cache.flatten(1).index_select(0, table).view(num_seqs, -1, *cache.shape[2:]).transpose(1, 2)
         for cache in (k_cache, v_cache)
     )
-    valid = torch.arange(max_len, device=seq_lens.device)[None, :] < seq_lens[:, None]
+    # keys stay padded to whole blocks: CPU SDPA is several times faster on such lengths than on
+    # a ragged max_len slice, and the mask hides the tail either way
+    valid = torch.arange(k.shape[2], device=seq_lens.device)[None, :] < seq_lens[:, None]
     return k, v, valid
 
 
@@ -112,9 +112,15 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Torch reference of ``paged_decode_attention``."""
+    """Torch reference of ``paged_decode_attention``.
+
+    The query heads sharing a kv head ride as that head's query rows (``[B, Hkv, G, D]``), so one
+    plain SDPA call serves GQA without ``enable_gqa``: on CPU that is ~2.5x faster for one token.
+    """
     k, v, valid = _gather_kv(k_cache, v_cache, block_tables, seq_lens)
-    return _sdpa(q.unsqueeze(2), k, v, valid[:, None, None, :], scale).squeeze(2)
+    num_seqs, num_heads, head_dim = q.shape
+    grouped = q.view(num_seqs, k.shape[1], num_heads // k.shape[1], head_dim)
+    return _sdpa(grouped, k, v, valid[:, None, None, :], scale).reshape(num_seqs, num_heads, head_dim)
 
 
 def paged_prefill_attention_ref(

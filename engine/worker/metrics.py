@@ -11,7 +11,14 @@ import time
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from engine.block_pool import BlockPool
 
@@ -29,7 +36,10 @@ class WorkerMetrics:
             "splitserve_worker_queue_depth", "Requests per stage of this worker", ["stage"], registry=r
         )
         self.kv_blocks = Gauge(
-            "splitserve_worker_kv_blocks", "KV pool blocks by state (free, cached, held)", ["state"], registry=r
+            "splitserve_worker_kv_blocks",
+            "KV pool blocks by state (free, cached, held)",
+            ["state"],
+            registry=r,
         )
         self.step_seconds = Histogram(
             "splitserve_worker_step_seconds",
@@ -81,7 +91,12 @@ class HealthServer:
     """
 
     def __init__(
-        self, host: str, port: int, metrics: WorkerMetrics, ready: Callable[[], bool], live_within_s: float = 10.0
+        self,
+        host: str,
+        port: int,
+        metrics: WorkerMetrics,
+        ready: Callable[[], bool],
+        live_within_s: float = 10.0,
     ) -> None:
         self.metrics = metrics
         self.ready = ready
@@ -90,7 +105,7 @@ class HealthServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._reply(200, server.metrics.render(), CONTENT_TYPE_LATEST)
@@ -110,7 +125,7 @@ class HealthServer:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - scrapes are not logged
+            def log_message(self, format: str, *args: object) -> None:
                 return
 
         self._httpd = ThreadingHTTPServer((host, port), Handler)

@@ -50,7 +50,9 @@ class PeerLinks:
         """Replace the peer list; returns the ids of peers lost (gone, or back with a new incarnation)."""
         new = {p.endpoint.worker_id: p for p in peers if p.endpoint.worker_id != self.worker_id}
         lost = {
-            wid for wid, old in self.peers.items() if wid not in new or new[wid].incarnation != old.incarnation
+            wid
+            for wid, old in self.peers.items()
+            if wid not in new or new[wid].incarnation != old.incarnation
         }
         for wid in lost:
             self.drop(wid)

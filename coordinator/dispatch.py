@@ -1,0 +1,297 @@
+"""The dispatcher: admission queue -> placement -> Prefill/Decode, and every later change of placement.
+
+It is the only code that moves a request between workers or ends it early, and it does both by the same
+rule: bump the record's generation first, then tell the old owners (Abort), then place the new
+generation. Outputs of older generations are dropped by the request table from then on.
+
+    submit       table.insert (ALREADY_EXISTS) -> queue (QUEUE_FULL) -> pump
+    pump         parked requests first (their prefill is running), then the queue in order
+    ReserveFailed   park the request (P keeps its result under a lease) until a decode worker has room,
+                    then Decode to the new D and Reassign to P; generation unchanged
+    resume       preemption, lost worker, lease or transfer failure, output gap: new generation back
+                 through prefill with output_token_ids = every token streamed so far
+    cancel       client cancel, deadline, stop string, Abort RPC: new generation, Abort to P and D
+
+All methods are synchronous and run on the event loop; messages leave through `post` (the outbox),
+which never blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import TypeAlias
+
+import grpc
+import structlog
+
+from coordinator.admission import AdmittedRequest
+from coordinator.admission_queue import AdmissionQueue
+from coordinator.errors import RpcError, unavailable
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.request_table import EndEvent, RequestRecord, RequestState, RequestTable
+from coordinator.router import Placement, Router
+from coordinator.workers import WorkerRegistry
+from splitserve.control import envelope
+from splitserve.v1 import control_pb2
+
+log = structlog.get_logger(__name__)
+
+Post = Callable[[str, control_pb2.Envelope], None]
+AbortReason = control_pb2.AbortReason
+Reason: TypeAlias = control_pb2.AbortReason.ValueType
+
+
+class Dispatcher:
+    """Owned by the coordinator app; shares the table, registry and router with the control loop."""
+
+    def __init__(
+        self,
+        table: RequestTable,
+        registry: WorkerRegistry,
+        router: Router,
+        metrics: CoordinatorMetrics,
+        post: Post,
+        *,
+        max_queue: int,
+        max_resumes: int = 4,
+        retry_after_s: float = 1.0,
+    ) -> None:
+        self.table = table
+        self.registry = registry
+        self.router = router
+        self.metrics = metrics
+        self.post = post
+        self.queue = AdmissionQueue(max_queue, retry_after_s)
+        self.parked: dict[int, RequestRecord] = {}  # AWAITING_DECODE, by rid
+        self.max_resumes = max_resumes
+        self.retry_after_s = retry_after_s
+        self.draining = False
+
+    # -- entry ---------------------------------------------------------------------------------------
+    def submit(self, admitted: AdmittedRequest) -> RequestRecord:
+        """The last two admission gates; on success the request is queued (and placed if it fits now)."""
+        if self.draining:
+            raise unavailable("SHUTTING_DOWN", "the server is shutting down; send the request elsewhere")
+        if not self.registry.can_serve():
+            raise unavailable(
+                "MODEL_NOT_READY",
+                f"model {admitted.model.name!r} has no ready prefill and decode worker yet; retry shortly",
+                retry_after_s=self.retry_after_s,
+            )
+        record = self.table.insert(admitted)
+        try:
+            self.queue.push(record)
+        except RpcError:
+            self.table.end(record)
+            raise
+        record.enqueued_at = time.monotonic()
+        self.pump()
+        return record
+
+    def pump(self) -> None:
+        """Place whatever fits now: parked requests first, then the queue head while placements succeed."""
+        for waiting in list(self.parked.values()):
+            prefill = self.registry.get(waiting.prefill_worker or "")
+            if prefill is None:
+                continue
+            decode = self.router.choose_decode(self._num_tokens(waiting), prefill.layout_hash)
+            if decode is not None:
+                del self.parked[waiting.rid]
+                self._reassign(waiting, decode.worker_id)
+        while (record := self.queue.peek()) is not None:
+            placement = self.router.place(record.admitted.prompt_token_ids + record.output_token_ids)
+            if placement is None:
+                break
+            self.queue.pop()
+            self._dispatch(record, placement)
+        if (len(self.queue) or self.parked) and not self.registry.can_serve():
+            for record in self.queue.drain_all() + list(self.parked.values()):
+                self._fail_unplaceable(record)
+        self.metrics.queue_depth.set(len(self.queue))
+
+    # -- placement -----------------------------------------------------------------------------------
+    def _num_tokens(self, record: RequestRecord) -> int:
+        return len(record.admitted.prompt_token_ids) + len(record.output_token_ids)
+
+    def _dispatch(self, record: RequestRecord, placement: Placement) -> None:
+        record.stats.queue_ms += (time.monotonic() - record.enqueued_at) * 1e3
+        record.state = RequestState.RUNNING
+        record.prefill_worker = placement.prefill.worker_id
+        record.decode_worker = placement.decode.worker_id
+        self.router.commit(placement)
+        request = record.admitted.execution_request(record.rid, record.generation, record.output_token_ids)
+        log.debug(
+            "placed",
+            rid=record.rid,
+            generation=record.generation,
+            prefill=record.prefill_worker,
+            decode=record.decode_worker,
+            cached_tokens=placement.cached_tokens,
+            estimated_ttft_ms=round(placement.estimated_ttft_ms, 2),
+        )
+        decode_endpoint = placement.decode.register.endpoint
+        if placement.colocated:
+            self.post(record.decode_worker, envelope(decode=control_pb2.Decode(request=request)))
+            return
+        prefill_endpoint = placement.prefill.register.endpoint
+        # both at once: P starts computing while D reserves blocks and sends their ids straight to P
+        self.post(
+            record.prefill_worker,
+            envelope(prefill=control_pb2.Prefill(request=request, decode=decode_endpoint)),
+        )
+        self.post(
+            record.decode_worker,
+            envelope(decode=control_pb2.Decode(request=request, prefill=prefill_endpoint)),
+        )
+
+    def _reassign(self, record: RequestRecord, decode_id: str) -> None:
+        decode = self.registry.get(decode_id)
+        prefill = self.registry.get(record.prefill_worker or "")
+        assert decode is not None and prefill is not None
+        record.state = RequestState.RUNNING
+        record.decode_worker = decode_id
+        self.router.commit_decode(decode, self._num_tokens(record))
+        request = record.admitted.execution_request(record.rid, record.generation, record.output_token_ids)
+        log.info("re-placed decode", rid=record.rid, generation=record.generation, decode=decode_id)
+        self.post(
+            decode_id, envelope(decode=control_pb2.Decode(request=request, prefill=prefill.register.endpoint))
+        )
+        reassign = control_pb2.Reassign(
+            rid=record.rid, generation=record.generation, decode=decode.register.endpoint
+        )
+        self.post(prefill.worker_id, envelope(reassign=reassign))
+
+    def _fail_unplaceable(self, record: RequestRecord) -> None:
+        if record.output_token_ids or record.stats.preemptions:
+            error = unavailable(
+                "WORKER_LOST", "the workers holding the request are gone and none can resume it"
+            )
+        else:
+            error = unavailable(
+                "MODEL_NOT_READY",
+                "no ready prefill and decode worker is left for the model; retry shortly",
+                retry_after_s=self.retry_after_s,
+            )
+        self.cancel(record, AbortReason.ABORT_REASON_WORKER_ERROR, EndEvent(error))
+
+    # -- worker reports ------------------------------------------------------------------------------
+    def _current(self, sender: str, rid: int, generation: int) -> RequestRecord | None:
+        """The record when (rid, generation) is current and `sender` holds it; else count a late output."""
+        record = self.table.get(rid)
+        if record is None or generation != record.generation or sender not in record.owners:
+            self.table.drop_late(f"generation {generation} from {sender}", rid)
+            return None
+        return record
+
+    def on_reserve_failed(self, sender: str, msg: control_pb2.ReserveFailed) -> None:
+        record = self._current(sender, msg.rid, msg.generation)
+        if record is None or sender != record.decode_worker:
+            return
+        decode = self.registry.get(sender)
+        if decode is not None:  # trust its word over the last report until the next one
+            decode.pending_blocks = max(
+                decode.pending_blocks, decode.free_blocks_estimate - msg.available_blocks
+            )
+        log.info(
+            "reserve failed",
+            rid=record.rid,
+            decode=sender,
+            needed=msg.needed_blocks,
+            available=msg.available_blocks,
+        )
+        if record.prefill_worker == sender:  # colocated: nothing started, place it again as it is
+            record.state, record.prefill_worker, record.decode_worker = RequestState.QUEUED, None, None
+            record.enqueued_at = time.monotonic()
+            self.queue.push(record, resumed=True)
+        else:
+            record.state, record.decode_worker = RequestState.AWAITING_DECODE, None
+            self.parked[record.rid] = record
+        self.pump()
+
+    def on_preempted(self, sender: str, msg: control_pb2.Preempted) -> None:
+        record = self._current(sender, msg.rid, msg.generation)
+        if record is not None and sender == record.decode_worker:
+            if msg.num_output_tokens != len(record.output_token_ids):
+                log.warning(
+                    "preempted with a token count mismatch",
+                    rid=record.rid,
+                    worker=msg.num_output_tokens,
+                    streamed=len(record.output_token_ids),
+                )
+            self.resume(record, "preempted")
+
+    def on_worker_abort(self, sender: str, msg: control_pb2.Abort) -> None:
+        record = self._current(sender, msg.rid, msg.generation)
+        if record is None:
+            return
+        log.info(
+            "worker aborted",
+            rid=record.rid,
+            worker=sender,
+            reason=AbortReason.Name(msg.reason),
+            message=msg.message,
+        )
+        if msg.reason == AbortReason.ABORT_REASON_DEADLINE_EXCEEDED:
+            error = RpcError(grpc.StatusCode.DEADLINE_EXCEEDED, None, "the request's deadline passed")
+            self.cancel(record, msg.reason, EndEvent(error))
+        elif msg.reason == AbortReason.ABORT_REASON_WORKER_ERROR:
+            error = RpcError(
+                grpc.StatusCode.INTERNAL,
+                "INTERNAL",
+                f"worker {sender} could not run the request: {msg.message}",
+            )
+            self.cancel(record, msg.reason, EndEvent(error))
+        else:  # lease ran out, transfer peer failed, worker shutting down: the request can run elsewhere
+            self.resume(record, AbortReason.Name(msg.reason).removeprefix("ABORT_REASON_").lower())
+
+    def worker_lost(self, worker_id: str, why: str) -> None:
+        """Recover every request the worker holds: its decodes, and its prefills not yet decoding."""
+        for record in self.table.records():
+            holds_decode = record.decode_worker == worker_id
+            holds_prefill = record.prefill_worker == worker_id and not record.decode_started
+            if holds_decode or holds_prefill:
+                log.warning(
+                    "recovering request from a lost worker", rid=record.rid, worker=worker_id, why=why
+                )
+                self.resume(record, "worker_lost")
+
+    # -- changes of placement ------------------------------------------------------------------------
+    def resume(self, record: RequestRecord, cause: str) -> None:
+        """New generation back through prefill with every streamed token as output_token_ids."""
+        if record.stats.preemptions >= self.max_resumes:
+            error = unavailable(
+                "WORKER_LOST", f"the request was resumed {self.max_resumes} times and failed again"
+            )
+            self.cancel(record, AbortReason.ABORT_REASON_REPLACED, EndEvent(error))
+            return
+        old_generation, old_owners = record.generation, record.owners
+        self.table.bump(record)
+        for worker_id in old_owners:
+            self._abort(worker_id, record.rid, old_generation, AbortReason.ABORT_REASON_REPLACED)
+        self.parked.pop(record.rid, None)
+        record.state, record.prefill_worker, record.decode_worker = RequestState.QUEUED, None, None
+        record.stats.preemptions += 1
+        record.enqueued_at = time.monotonic()
+        self.metrics.resumes.labels(cause).inc()
+        self.queue.push(record, resumed=True)
+        self.pump()
+
+    def cancel(self, record: RequestRecord, reason: Reason, event: EndEvent | None = None) -> None:
+        """End the request now: bump, Abort (new generation, covering all older) to its owners, remove."""
+        if record.ended:
+            return
+        generation = self.table.bump(record)
+        for worker_id in record.owners:
+            self._abort(worker_id, record.rid, generation, reason)
+        self.queue.remove(record)
+        self.parked.pop(record.rid, None)
+        self.table.end(record, event)
+        self.metrics.queue_depth.set(len(self.queue))
+
+    def _abort(self, worker_id: str, rid: int, generation: int, reason: Reason) -> None:
+        # a STALE worker is told too: if it is only slow, it must still release the blocks
+        if self.registry.get(worker_id) is not None:
+            self.post(
+                worker_id, envelope(abort=control_pb2.Abort(rid=rid, generation=generation, reason=reason))
+            )

@@ -1,0 +1,167 @@
+"""One worker: its parts started in order, its drain, and the process entry point `run_worker`.
+
+Start order (each step needs the one before): engine (KV pool + cache tensor) → transfer listener →
+HTTP (/metrics /livez /readyz) → control sockets → Register/RegisterAck → reader tasks + heartbeats +
+step loop → readiness line. Stop (SIGTERM, SIGINT or Shutdown): stop taking work, heartbeat DRAINING,
+wait for in-flight requests (bounded by --drain-timeout or Shutdown.grace_ms), abort the rest,
+Deregister, close in reverse order, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from typing import Any
+
+import structlog
+
+from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel
+from engine.worker.metrics import HealthServer, WorkerMetrics
+from engine.worker.role import WorkerRole
+from engine.worker.runtime import ControlPlane, RegistrationError
+from engine.worker.settings import WorkerSettings, settings_from_args
+from engine.worker.stepper import StepLoop
+from engine.worker.transfer import TransferPlane
+from splitserve.v1 import control_pb2
+
+log = structlog.get_logger(__name__)
+
+READY_PREFIX = "SPLITSERVE_READY "
+
+
+class Worker:
+    """A prefill, decode or colocated worker in this process. `start()`, then `serve()` until stopped.
+
+    Tests build several in one process (each has its own engine, sockets, registry and threads).
+    """
+
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel) -> None:
+        self.settings = settings
+        self.engine = LLMEngine(loaded, settings.engine)
+        self.metrics = WorkerMetrics(settings.role, settings.worker_id)
+        self.stepper = StepLoop(self.engine, self.metrics)
+        self.transfer: TransferPlane | None = None
+        self.health: HealthServer | None = None
+        self.control: ControlPlane | None = None
+        self.role: WorkerRole | None = None
+        self._step_task: asyncio.Task[None] | None = None
+
+    async def start(self) -> dict[str, Any]:
+        """Bring every part up and register; returns the readiness line's fields."""
+        s = self.settings
+        if s.role != "colocated":
+            self.transfer = await TransferPlane.listen(s, self.engine)
+        self.health = HealthServer(s.advertise_host, s.metrics_port, self.metrics, self._ready)
+        self.control = ControlPlane(
+            s,
+            self.engine.pool,
+            TransferPlane.kv_layout(self.engine),
+            self.engine.loaded.identity,
+            self.engine.max_model_len,
+            self.transfer.address if self.transfer else "",
+            self.metrics,
+            self.health,
+        )
+        await self.control.register()
+        self.role = self._make_role(self.control)
+        self.control.start(self.role)
+        self._step_task = asyncio.create_task(self.stepper.run(), name="engine-steps")
+        return {
+            "role": s.role,
+            "worker_id": s.worker_id,
+            "control_address": self.control.control_address,
+            "metrics_address": self.health.address,
+            "transfer_address": self.transfer.address if self.transfer else "",
+        }
+
+    def _make_role(self, control: ControlPlane) -> WorkerRole:
+        args = (self.settings, self.engine, self.stepper, control, self.metrics)
+        if self.settings.role == "prefill":
+            from prefill.worker import PrefillWorker
+
+            assert self.transfer is not None
+            return PrefillWorker(*args, self.transfer.shipper(self.metrics))
+        from decode.worker import DecodeWorker
+
+        return DecodeWorker(*args, self.transfer.receiver(self.metrics) if self.transfer else None)
+
+    def _ready(self) -> bool:
+        return self.control is not None and self.control.registered and not self.control.draining
+
+    async def serve(self) -> None:
+        """Run until a stop is requested (or the step loop dies), then drain and close."""
+        assert self.control is not None and self._step_task is not None
+        stop = asyncio.create_task(self.control.stop_requested.wait())
+        # idle wait for the end of the worker's life
+        await asyncio.wait({stop, self._step_task}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if self._step_task.done() and self._step_task.exception() is not None:
+            raise RuntimeError("the engine step loop died") from self._step_task.exception()
+        await self.drain()
+
+    async def drain(self) -> None:
+        c, role = self.control, self.role
+        assert c is not None and role is not None
+        role.accepting = False
+        c.draining = True
+        await c.send_heartbeat()
+        if c.stop_drain:
+            log.info("draining", in_flight=len(role.records), grace_s=c.stop_grace_s)
+            try:
+                async with asyncio.timeout(c.stop_grace_s):
+                    await role.idle.wait()  # bounded: in-flight requests finish, up to the grace period
+            except TimeoutError:
+                log.warning("drain timed out", in_flight=len(role.records))
+        await role.abort_all(control_pb2.ABORT_REASON_SHUTDOWN, "worker shutting down")
+        await c.deregister("shutdown")
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop everything this worker started (safe after a failed start)."""
+        self.stepper.stop()
+        if self._step_task is not None:
+            await asyncio.gather(self._step_task, return_exceptions=True)
+        if self.control is not None:
+            await self.control.close()
+        if self.transfer is not None:
+            await self.transfer.close()
+        if self.health is not None:
+            self.health.close()
+
+
+def run_worker(args: argparse.Namespace, role: str) -> int:
+    """The body of `splitserve prefill|decode`: load, start, print the readiness line, serve, drain."""
+    from engine.worker.logs import configure_logging
+
+    settings = settings_from_args(args, role)
+    configure_logging(role=role, worker_id=settings.worker_id)
+    return asyncio.run(_main(settings))
+
+
+async def _main(settings: WorkerSettings) -> int:
+    from engine.loader import load_model
+    from engine.model_dir import resolve_model_dir
+
+    cfg = settings.engine
+    model_dir = await asyncio.to_thread(resolve_model_dir, settings.model)
+    loaded = await asyncio.to_thread(load_model, model_dir, dtype=cfg.torch_dtype, device=cfg.device)
+    worker = Worker(settings, loaded)
+    try:
+        info = await worker.start()
+    except RegistrationError as exc:
+        log.error("registration failed", error=str(exc))
+        await worker.close()
+        return 1
+    assert worker.control is not None
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.control.request_stop)
+    sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
+    sys.stdout.flush()
+    await worker.serve()
+    log.info("stopped")
+    return 0

@@ -1,0 +1,316 @@
+"""What the prefill and decode roles share: the request table, dispatch, checks, timers, sends.
+
+A role owns its request table (rid -> RequestRecord; one generation per rid: a newer generation
+replaces the older one, an older one is dropped and counted). Every record is created by a
+coordinator message and removed by exactly one `_end` call (finished, aborted, expired, preempted,
+failed), which releases its blocks through the role's `_release`. `idle` is set whenever the table is
+empty, so a draining worker waits on an event instead of polling.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias
+
+import structlog
+
+from engine.llm_engine import LLMEngine, StepOutput
+from engine.sequence import Sequence
+from engine.worker.convert import finish_reason, tokens_message
+from engine.worker.metrics import WorkerMetrics
+from engine.worker.runtime import ControlPlane
+from engine.worker.settings import WorkerSettings
+from engine.worker.stepper import StepLoop, StepReport
+from splitserve.control import ControlQueueFull, Received, envelope
+from splitserve.v1 import control_pb2, serving_pb2
+
+log = structlog.get_logger(__name__)
+Reason: TypeAlias = control_pb2.AbortReason.ValueType
+
+
+@dataclass(slots=True, eq=False)
+class RequestRecord:
+    """A role's state for one (rid, generation). `peer` is the other worker of the transfer (P's decode
+    worker, D's prefill worker; None when D prefills locally). Timers are disarmed by `_end`."""
+
+    req: control_pb2.ExecutionRequest
+    seq: Sequence
+    peer: control_pb2.WorkerEndpoint | None
+    log: Any
+    arrived: float = field(default_factory=time.monotonic)
+    started: float | None = None
+    lease: asyncio.TimerHandle | None = None
+    deadline: asyncio.TimerHandle | None = None
+    num_kv_tokens: int = field(init=False)  # prompt + output at arrival: the KV a prefill produces
+
+    def __post_init__(self) -> None:
+        self.num_kv_tokens = self.seq.num_tokens
+
+    @property
+    def rid(self) -> int:
+        return self.req.rid
+
+    @property
+    def generation(self) -> int:
+        return self.req.generation
+
+    def disarm(self) -> None:
+        for timer in (self.lease, self.deadline):
+            if timer is not None:
+                timer.cancel()
+        self.lease = self.deadline = None
+
+
+class WorkerRole:
+    """Base class; subclasses implement `on_<kind>` for the messages they accept, `_release`, and the
+    StepHandler methods."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: LLMEngine,
+        stepper: StepLoop,
+        control: ControlPlane,
+        metrics: WorkerMetrics,
+    ) -> None:
+        self.settings = settings
+        self.engine = engine
+        self.stepper = stepper
+        self.control = control
+        self.metrics = metrics
+        self.eos_token_ids = engine.loaded.config.eos_token_ids
+        self.accepting = True
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self.records: dict[int, RequestRecord] = {}
+        self._by_seq: dict[str, RequestRecord] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+        self._background: set[asyncio.Task[Any]] = set()
+        stepper.handler = self  # type: ignore[assignment]  # subclasses implement StepHandler
+
+    # --- dispatch and the request table -------------------------------------------------------------
+
+    async def handle(self, msg: Received) -> None:
+        handler = getattr(self, f"on_{msg.kind}", None)
+        if handler is None:
+            log.warning("message not handled by this role", kind=msg.kind, sender=msg.sender)
+            self.metrics.stale_messages.labels(msg.kind or "empty").inc()
+            return
+        await handler(msg)
+
+    def supersede(self, req: control_pb2.ExecutionRequest, kind: str) -> bool:
+        """Make room for a new (rid, generation); False (counted) when we hold that or a newer one."""
+        old = self.records.get(req.rid)
+        if old is None:
+            return True
+        if old.generation >= req.generation:
+            self.metrics.stale_messages.labels(kind).inc()
+            return False
+        self._end(old, "replaced")
+        return True
+
+    def current(self, rid: int, generation: int, kind: str, sender: str | None = None) -> Any:
+        """The record for exactly (rid, generation) from its peer `sender`, else None (counted)."""
+        rec = self.records.get(rid)
+        if (
+            rec is None
+            or rec.generation != generation
+            or (sender is not None and rec.peer is None)
+            or (sender is not None and rec.peer is not None and rec.peer.worker_id != sender)
+        ):
+            self.metrics.stale_messages.labels(kind).inc()
+            return None
+        return rec
+
+    def track(self, rec: RequestRecord) -> None:
+        self.records[rec.rid] = rec
+        self._by_seq[rec.seq.request_id] = rec
+        self.idle.clear()
+        deadline = self.deadline_in(rec.req)
+        if deadline is not None:
+            rec.deadline = self.later(
+                deadline, self.fail, rec, control_pb2.ABORT_REASON_DEADLINE_EXCEEDED, "deadline passed"
+            )
+
+    def of_seq(self, seq_or_id: Sequence | str) -> Any:
+        key = seq_or_id if isinstance(seq_or_id, str) else seq_or_id.request_id
+        return self._by_seq.get(key)
+
+    def is_current(self, rec: RequestRecord) -> bool:
+        return self.records.get(rec.rid) is rec
+
+    def _end(self, rec: RequestRecord, outcome: str) -> None:
+        """The one exit of a record: disarm its timers and release its blocks (`_release`). Idempotent."""
+        if not self.is_current(rec):
+            return
+        del self.records[rec.rid]
+        del self._by_seq[rec.seq.request_id]
+        rec.disarm()
+        self._release(rec, outcome)
+        self.metrics.requests.labels(outcome).inc()
+        if not self.records:
+            self.idle.set()
+        rec.log.debug("released", outcome=outcome)
+
+    def _release(self, rec: RequestRecord, outcome: str) -> None:
+        """End the record's transfer (if any) and give its blocks back; called once, by `_end`."""
+        raise NotImplementedError
+
+    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+        """Whether the peer still holds state for this record (an open transfer)."""
+        return False
+
+    async def fail(self, rec: RequestRecord, reason: Reason, message: str) -> None:
+        """This worker gives up on `rec`: end it, tell the peer (if it holds state) and the coordinator."""
+        if not self.is_current(rec):
+            return
+        tell_peer = rec.peer is not None and self.peer_needs_abort(rec)
+        name = control_pb2.AbortReason.Name(reason)
+        rec.log.info("giving up", reason=name, message=message)
+        self._end(rec, name.removeprefix("ABORT_REASON_").lower())
+        abort = control_pb2.Abort(rid=rec.rid, generation=rec.generation, reason=reason, message=message)
+        if tell_peer and rec.peer is not None:
+            await self.to_peer(rec.peer, abort=abort)
+        await self.to_coordinator(abort=abort)
+
+    async def on_abort(self, msg: Received) -> None:
+        a = msg.envelope.abort
+        rec = self.records.get(a.rid)
+        if rec is not None and rec.generation <= a.generation:
+            rec.log.info(
+                "aborted", reason=control_pb2.AbortReason.Name(a.reason), by=msg.sender or "coordinator"
+            )
+            self._end(rec, "aborted")
+
+    async def on_peers_lost(self, worker_ids: set[str]) -> None:
+        for rec in list(self.records.values()):
+            if rec.peer is not None and rec.peer.worker_id in worker_ids and self.peer_needs_abort(rec):
+                await self.fail(rec, control_pb2.ABORT_REASON_PEER_FAILED, f"peer {rec.peer.worker_id} left")
+
+    async def on_step_failed(self, seqs: list[Sequence], error: BaseException) -> None:
+        for seq in seqs:
+            rec = self.of_seq(seq)
+            if rec is not None:
+                await self.fail(rec, control_pb2.ABORT_REASON_WORKER_ERROR, f"model step failed: {error}")
+
+    async def abort_all(self, reason: Reason, message: str) -> None:
+        for rec in list(self.records.values()):
+            await self.fail(rec, reason, message)
+
+    # --- request checks, first tokens, load -----------------------------------------------------------
+
+    def refusal(self, req: control_pb2.ExecutionRequest) -> str | None:
+        """Why this worker cannot run `req` at all (None: it can)."""
+        identity = self.engine.loaded.identity
+        if req.model_identity and req.model_identity != identity:
+            return f"model_identity {req.model_identity[:12]} differs from this worker's {identity[:12]}"
+        if req.deadline_unix_ns and req.deadline_unix_ns <= time.time_ns():
+            return "deadline already passed"
+        return None
+
+    @staticmethod
+    def deadline_in(req: control_pb2.ExecutionRequest) -> float | None:
+        """Seconds until the request's deadline, or None when it has none."""
+        if not req.deadline_unix_ns:
+            return None
+        return max(0.0, (req.deadline_unix_ns - time.time_ns()) / 1e9)
+
+    def note_started(self, report: StepReport) -> None:
+        """Stamp the first step of each record (queue time ends there) and count prefix-cache hits."""
+        begun = time.monotonic() - report.seconds
+        for item in report.out.scheduled:
+            rec = self.of_seq(item.seq)
+            if rec is not None and rec.started is None:
+                rec.started = begun
+                self.prefix_query_tokens += rec.num_kv_tokens
+                self.prefix_hit_tokens += rec.seq.num_cached_tokens
+
+    def step_tokens(self, rec: RequestRecord, out: StepOutput) -> control_pb2.Tokens:
+        """The `Tokens` item of one step output (the token just appended to `rec.seq`)."""
+        want_lp = rec.req.HasField("logprobs")
+        return tokens_message(
+            rec.rid,
+            rec.generation,
+            rec.seq.num_output_tokens - len(out.new_token_ids),
+            out.new_token_ids,
+            out.new_logprobs if want_lp else None,
+            out.top_logprobs,
+            rec.req.logprobs if want_lp else 0,
+            finish_reason(rec.seq, self.eos_token_ids)
+            if out.finished
+            else serving_pb2.FINISH_REASON_UNSPECIFIED,
+        )
+
+    async def send_prefill_done(self, rec: RequestRecord, out: StepOutput) -> control_pb2.Tokens:
+        """PrefillDone for the first token of `rec` (sampled by this worker's prefill), sent at once."""
+        now = time.monotonic()
+        started = rec.started if rec.started is not None else now
+        tokens = self.step_tokens(rec, out)
+        cached = rec.seq.num_cached_tokens
+        done = control_pb2.PrefillDone(
+            output=tokens,
+            cached_tokens=cached,
+            computed_tokens=rec.num_kv_tokens - cached,
+            queue_ms=(started - rec.arrived) * 1e3,
+            prefill_ms=(now - started) * 1e3,
+        )
+        await self.to_coordinator(prefill_done=done)
+        return tokens
+
+    def queue_depths(self) -> dict[str, int]:
+        return {"waiting": len(self.engine.scheduler.waiting), "running": len(self.engine.scheduler.running)}
+
+    def load(self) -> serving_pb2.WorkerLoad:
+        sched = self.engine.scheduler
+        return serving_pb2.WorkerLoad(
+            queued_requests=len(sched.waiting),
+            queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            running_requests=len(sched.running),
+            prefill_us_per_token=self.stepper.prefill_us_per_token,
+            decode_step_ms=self.stepper.decode_step_ms,
+            prefix_cache_query_tokens=self.prefix_query_tokens,
+            prefix_cache_hit_tokens=self.prefix_hit_tokens,
+        )
+
+    # --- timers, tasks, sends -------------------------------------------------------------------------
+
+    def later(self, delay_s: float, fn: Callable[..., Awaitable[None]], *args: Any) -> asyncio.TimerHandle:
+        """Run `fn(*args)` as a task after `delay_s` (a lease or a deadline); cancel the handle to disarm."""
+        return asyncio.get_running_loop().call_later(delay_s, self.spawn, fn, *args)
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run `fn(*args)` as a task the role keeps a reference to; failures are logged."""
+        task = asyncio.ensure_future(fn(*args))
+        self._background.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+    async def to_coordinator(self, **msg: Any) -> None:
+        await self.control.to_coordinator(envelope(**msg))
+
+    async def to_peer(self, endpoint: control_pb2.WorkerEndpoint, **msg: Any) -> bool:
+        """Send to a peer worker; False (logged) when its queue is full, i.e. the peer failed."""
+        try:
+            await self.control.to_peer(endpoint, envelope(**msg))
+            return True
+        except ControlQueueFull as exc:
+            log.warning("peer not reading", peer=endpoint.worker_id, error=str(exc))
+            return False
+
+    async def abort_to_coordinator(
+        self, req: control_pb2.ExecutionRequest, reason: Reason, message: str
+    ) -> None:
+        """Refuse a request this worker never took on."""
+        log.warning(
+            "request refused", rid=req.rid, reason=control_pb2.AbortReason.Name(reason), message=message
+        )
+        abort = control_pb2.Abort(rid=req.rid, generation=req.generation, reason=reason, message=message)
+        await self.to_coordinator(abort=abort)

@@ -1,0 +1,272 @@
+"""A worker's control plane: registration, heartbeats, peers, pool queries, shutdown, message dispatch.
+
+Sockets (splitserve/control.py): a DEALER to the coordinator's ROUTER (identity = worker_id) and this
+worker's own ROUTER (`control_address`, advertised in Register) where peers' DEALERs deliver P<->D
+messages. Two reader tasks, one per socket, hand every work message to the role in arrival order;
+neither ever waits on a model step or a transfer, so an Abort is handled while both are running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Protocol
+
+import structlog
+import zmq.asyncio
+
+from engine.block_pool import BlockPool
+from engine.worker.convert import pool_state
+from engine.worker.metrics import HealthServer, WorkerMetrics
+from engine.worker.peers import PeerLinks
+from engine.worker.settings import WorkerSettings
+from splitserve import wire
+from splitserve.control import ControlQueueFull, ControlSocket, Received, envelope
+from splitserve.v1 import control_pb2, serving_pb2
+
+log = structlog.get_logger(__name__)
+
+_FLUSH_LINGER_MS = 2000
+
+ROLE_PROTO = {
+    "prefill": serving_pb2.WORKER_ROLE_PREFILL,
+    "decode": serving_pb2.WORKER_ROLE_DECODE,
+    "colocated": serving_pb2.WORKER_ROLE_COLOCATED,
+}
+
+
+class RegistrationError(RuntimeError):
+    """The coordinator refused this worker or never answered; the process exits non-zero."""
+
+
+class RoleHandler(Protocol):
+    """What the control plane needs from the prefill or decode role."""
+
+    async def handle(self, msg: Received) -> None: ...
+
+    async def on_peers_lost(self, worker_ids: set[str]) -> None: ...
+
+    def load(self) -> serving_pb2.WorkerLoad: ...
+
+    def queue_depths(self) -> dict[str, int]: ...
+
+
+class PrefixEvents:
+    """Turns the pool's set of cached hashes into Heartbeat.prefix_cache deltas (first 8 bytes, LE)."""
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self._known: set[int] | None = None
+
+    def next(self) -> control_pb2.PrefixCacheEvents:
+        current = {int.from_bytes(h[:8], "little") for h in self.pool.cached_hashes()}
+        if self._known is None:
+            self._known = current
+            return control_pb2.PrefixCacheEvents(cleared=True, stored=wire.pack_hashes(sorted(current)))
+        stored, removed = current - self._known, self._known - current
+        self._known = current
+        return control_pb2.PrefixCacheEvents(
+            stored=wire.pack_hashes(sorted(stored)), removed=wire.pack_hashes(sorted(removed))
+        )
+
+
+class ControlPlane:
+    """Created by the worker after its model and transfer listener are up; closed by `close()`."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        pool: BlockPool,
+        kv_layout: control_pb2.KvLayout,
+        model_identity: str,
+        context_length: int,
+        transfer_address: str,
+        metrics: WorkerMetrics,
+        health: HealthServer | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.health = health
+        self.pool = pool
+        self.kv_layout = kv_layout
+        self.model_identity = model_identity
+        self.context_length = context_length
+        self.transfer_address = transfer_address
+        self.incarnation = secrets.randbits(64)
+        self.ctx = zmq.asyncio.Context()
+        self.router = ControlSocket.router(
+            self.ctx, f"tcp://{settings.advertise_host}:{settings.control_port}"
+        )
+        port = self.router.address.rsplit(":", 1)[1]
+        self.control_address = f"tcp://{settings.advertise_host}:{port}"
+        self.coordinator = ControlSocket.dealer(self.ctx, settings.coordinator_address, settings.worker_id)
+        self.links = PeerLinks(self.ctx, settings.worker_id, kv_layout.hash)
+        self.role: RoleHandler | None = None
+        self.registered = False
+        self.draining = False
+        self.heartbeat_interval_s = 0.5
+        self.stop_requested = asyncio.Event()
+        self.stop_drain = True
+        self.stop_grace_s = settings.drain_timeout_s
+        self._prefix = PrefixEvents(pool) if settings.role != "decode" else None
+        self._heartbeat_seq = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @property
+    def endpoint(self) -> control_pb2.WorkerEndpoint:
+        return control_pb2.WorkerEndpoint(
+            worker_id=self.settings.worker_id,
+            control_address=self.control_address,
+            transfer_address=self.transfer_address,
+        )
+
+    async def register(self) -> control_pb2.RegisterAck:
+        """Send Register and wait (bounded by --register-timeout) for an accepting RegisterAck."""
+        s = self.settings
+        await self.to_coordinator(
+            envelope(
+                register=control_pb2.Register(
+                    protocol_version=control_pb2.PROTOCOL_VERSION_1,
+                    role=ROLE_PROTO[s.role],
+                    endpoint=self.endpoint,
+                    incarnation=self.incarnation,
+                    model=s.served_model_name,
+                    model_identity=self.model_identity,
+                    context_length=self.context_length,
+                    kv_layout=self.kv_layout,
+                    num_blocks=self.pool.num_blocks,
+                    transfer_backend=s.transfer_backend,
+                )
+            )
+        )
+        try:
+            # bounded wait: a coordinator that never answers must not hang the worker's start
+            async with asyncio.timeout(s.register_timeout_s):
+                while True:
+                    got = await self.coordinator.recv()
+                    if got.kind == "register_ack":
+                        break
+                    log.warning("message before RegisterAck ignored", kind=got.kind)
+        except TimeoutError:
+            raise RegistrationError(
+                f"no RegisterAck from {s.coordinator} within {s.register_timeout_s}s"
+            ) from None
+        ack = got.envelope.register_ack
+        if not ack.accepted:
+            raise RegistrationError(f"the coordinator refused this worker: {ack.reason}")
+        if ack.heartbeat_interval_ms:
+            self.heartbeat_interval_s = ack.heartbeat_interval_ms / 1e3
+        self.links.update(ack.peers)
+        self.registered = True
+        log.info("registered", coordinator=s.coordinator, peers=len(ack.peers))
+        return ack
+
+    def start(self, role: RoleHandler) -> None:
+        """Start the two reader tasks and the heartbeat task (after `register`)."""
+        self.role = role
+        self._tasks = [
+            asyncio.create_task(
+                self._read(self.coordinator, from_coordinator=True), name="control-coordinator"
+            ),
+            asyncio.create_task(self._read(self.router, from_coordinator=False), name="control-peers"),
+            asyncio.create_task(self._heartbeats(), name="heartbeat"),
+        ]
+
+    async def to_coordinator(self, env: control_pb2.Envelope) -> None:
+        try:
+            await self.coordinator.send(env)
+        except ControlQueueFull:
+            log.error("control queue to the coordinator is full; message dropped", kind=env.WhichOneof("msg"))
+
+    async def to_peer(self, endpoint: control_pb2.WorkerEndpoint, env: control_pb2.Envelope) -> None:
+        """Send to a peer worker; raises ControlQueueFull when it is not reading (treat it as failed)."""
+        await self.links.dealer(endpoint).send(env)
+
+    async def _read(self, sock: ControlSocket, *, from_coordinator: bool) -> None:
+        assert self.role is not None
+        while True:
+            msg = await sock.recv()  # idle wait for the next message
+            try:
+                if from_coordinator and await self._handle_own(msg):
+                    continue
+                await self.role.handle(msg)
+            except Exception:
+                log.exception("control message failed", kind=msg.kind, sender=msg.sender)
+
+    async def _handle_own(self, msg: Received) -> bool:
+        """The messages the control plane answers itself; False hands the message to the role."""
+        assert self.role is not None
+        env = msg.envelope
+        if msg.kind == "peers":
+            lost = self.links.update(env.peers.peers)
+            if lost:
+                await self.role.on_peers_lost(lost)
+        elif msg.kind == "pool_state_query":
+            q = env.pool_state_query
+            reply = control_pb2.PoolStateReply(
+                query_id=q.query_id,
+                worker_id=self.settings.worker_id,
+                pool=pool_state(self.pool, check_integrity=q.check_integrity),
+                load=self.role.load(),
+            )
+            await self.to_coordinator(envelope(pool_state_reply=reply))
+        elif msg.kind == "shutdown":
+            sd = env.shutdown
+            log.info("shutdown requested", drain=sd.drain, grace_ms=sd.grace_ms, reason=sd.reason)
+            self.request_stop(drain=sd.drain, grace_s=sd.grace_ms / 1e3 if sd.grace_ms else None)
+        elif msg.kind == "register_ack":
+            log.warning("unexpected RegisterAck after registration ignored")
+        else:
+            return False
+        return True
+
+    def request_stop(self, *, drain: bool = True, grace_s: float | None = None) -> None:
+        """Ask the worker to stop (signal or Shutdown); the worker's main task drains and closes."""
+        self.stop_drain = self.stop_drain and drain
+        if grace_s is not None:
+            self.stop_grace_s = grace_s
+        self.stop_requested.set()
+
+    async def _heartbeats(self) -> None:
+        assert self.role is not None
+        while True:
+            await self.send_heartbeat()
+            self.metrics.observe_pool(self.pool)
+            self.metrics.observe_queues(self.role.queue_depths())
+            if self.health is not None:
+                self.health.tick()
+            await asyncio.sleep(self.heartbeat_interval_s)  # the heartbeat period itself
+
+    async def send_heartbeat(self) -> None:
+        assert self.role is not None
+        self._heartbeat_seq += 1
+        hb = control_pb2.Heartbeat(
+            worker_id=self.settings.worker_id,
+            incarnation=self.incarnation,
+            seq=self._heartbeat_seq,
+            health=serving_pb2.WORKER_HEALTH_DRAINING if self.draining else serving_pb2.WORKER_HEALTH_READY,
+            load=self.role.load(),
+            pool=pool_state(self.pool),
+        )
+        if self._prefix is not None:
+            hb.prefix_cache.CopyFrom(self._prefix.next())
+        await self.to_coordinator(envelope(heartbeat=hb))
+
+    async def deregister(self, reason: str) -> None:
+        await self.to_coordinator(
+            envelope(
+                deregister=control_pb2.Deregister(
+                    worker_id=self.settings.worker_id, incarnation=self.incarnation, reason=reason
+                )
+            )
+        )
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self.links.close()
+        # protects an invariant: the last messages (Aborts, Deregister) reach the coordinator; bounded
+        self.coordinator.sock.close(linger=_FLUSH_LINGER_MS)
+        self.router.close()
+        self.ctx.term()

@@ -1,0 +1,251 @@
+"""The prefill worker's role: queue, chunked prefill, first token, KV shipping, release on KVAck.
+
+Per request (control.proto has the messages):
+
+    Prefill ──► queued in the engine (token budget, chunked prefill across requests, prefix cache)
+      each step: blocks that became full ──► posted to D's reserved blocks (KVChunkReady per chunk)
+      first token sampled ──► PrefillDone to the coordinator at once
+      all sends completed ──► KVDone(token 1) to D ──► KVAck from D ──► blocks released (the prefix
+      cache keeps them findable)
+
+Reserved may come before Prefill (it is kept for its lease_ms). A finished prefill without a Reserved
+is held under --lease-ms, then released with Abort(LEASE_EXPIRED) to the coordinator. Abort, deadline,
+peer loss and a failed step end the job through the role's `_end`, the one place that releases it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import structlog
+
+from engine.llm_engine import LLMEngine
+from engine.sequence import Sequence
+from engine.worker.convert import engine_request_id, finish_reason, sampling_params
+from engine.worker.metrics import WorkerMetrics
+from engine.worker.role import RequestRecord, WorkerRole
+from engine.worker.runtime import ControlPlane
+from engine.worker.settings import WorkerSettings
+from engine.worker.stepper import StepLoop, StepReport
+from prefill.job import PrefillJob
+from prefill.shipping import KVShipper
+from splitserve import wire
+from splitserve.control import Received
+from splitserve.v1 import control_pb2
+
+log = structlog.get_logger(__name__)
+LEASE_EXPIRED = control_pb2.ABORT_REASON_LEASE_EXPIRED
+PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
+
+
+class PrefillWorker(WorkerRole):
+    """Owns the prefill worker's jobs (`records`: rid -> PrefillJob) and the early Reserved messages."""
+
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        engine: LLMEngine,
+        stepper: StepLoop,
+        control: ControlPlane,
+        metrics: WorkerMetrics,
+        shipper: KVShipper,
+    ) -> None:
+        super().__init__(settings, engine, stepper, control, metrics)
+        engine.scheduler.keep_blocks_on_finish = True  # the KV outlives the prefill: it is shipped
+        engine.scheduler.prefill_only = True
+        self.shipper = shipper
+        self.block_size = engine.pool.block_size
+        self.lease_s = settings.lease_ms / 1e3
+        self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
+
+    # --- coordinator messages -----------------------------------------------------------------------
+
+    async def on_prefill(self, msg: Received) -> None:
+        p = msg.envelope.prefill
+        req = p.request
+        if not self.supersede(req, "prefill"):
+            return
+        if not self.accepting:
+            await self.abort_to_coordinator(req, control_pb2.ABORT_REASON_SHUTDOWN, "worker draining")
+            return
+        why = self.refusal(req)
+        if why is None:
+            try:
+                prompt, output = wire.unpack_ids(req.prompt_token_ids), wire.unpack_ids(req.output_token_ids)
+                rid = engine_request_id(req.rid, req.generation)
+                seq = self.engine.add_request(rid, prompt, sampling_params(req), output)
+            except ValueError as exc:
+                why = str(exc)
+        if why is not None:
+            await self.abort_to_coordinator(req, control_pb2.ABORT_REASON_WORKER_ERROR, why)
+            return
+        job = PrefillJob(req, seq, p.decode, log.bind(rid=req.rid, request_id=req.request_id))
+        self.track(job)
+        early = self._early.pop(req.rid, None)
+        if early is not None:
+            early[2].cancel()
+            if early[1].generation == req.generation and early[0] == job.decode.worker_id:
+                await self._attach(job, early[1])
+        self.stepper.wake()
+
+    async def on_reassign(self, msg: Received) -> None:
+        r = msg.envelope.reassign
+        job: PrefillJob | None = self.current(r.rid, r.generation, "reassign")
+        if job is None:
+            return
+        if job.reserved is not None:  # the KV was going to the old decode worker: start over
+            self.shipper.close(job, ok=False, reason="reassigned")
+            job.reserved, job.next_block, job.chunks, job.done_sent = None, 0, 0, False
+        job.peer = r.decode
+        job.log.info("decode worker reassigned", decode=r.decode.worker_id)
+        if job.lease is not None:
+            job.lease.cancel()
+            job.lease = None
+        early = self._early.get(r.rid)
+        if early is not None and early[0] == r.decode.worker_id and early[1].generation == r.generation:
+            del self._early[r.rid]
+            early[2].cancel()
+            await self._attach(job, early[1])
+        elif job.prefilled:
+            job.lease = self.later(
+                self.lease_s, self.fail, job, LEASE_EXPIRED, "no Reserved within the lease"
+            )
+
+    async def on_abort(self, msg: Received) -> None:
+        a = msg.envelope.abort
+        early = self._early.get(a.rid)
+        if early is not None and early[1].generation <= a.generation:
+            del self._early[a.rid]
+            early[2].cancel()
+        await super().on_abort(msg)
+
+    # --- decode worker messages ---------------------------------------------------------------------
+
+    async def on_reserved(self, msg: Received) -> None:
+        r = msg.envelope.reserved
+        job = self.records.get(r.rid)
+        if job is None or job.generation < r.generation:
+            self._stash(msg.sender, r)  # Reserved before Prefill (different senders): keep it for its lease
+            return
+        job = self.current(r.rid, r.generation, "reserved", msg.sender)
+        if job is None or job.reserved is not None or r.decode_worker_id != msg.sender:
+            return
+        await self._attach(job, r)
+
+    async def on_kv_ack(self, msg: Received) -> None:
+        k = msg.envelope.kv_ack
+        job: PrefillJob | None = self.current(k.rid, k.generation, "kv_ack", msg.sender)
+        if job is None:
+            return
+        if not k.ok:
+            job.log.warning("decode worker failed to receive the KV", error=k.error)
+        self._end(job, "shipped" if k.ok else "transfer_failed")
+
+    # --- engine -------------------------------------------------------------------------------------
+
+    async def on_preempted(self, seqs: list[Sequence]) -> None:
+        """The scheduler re-queues them; blocks already posted stay held by their transfer."""
+
+    async def on_step(self, report: StepReport) -> None:
+        self.note_started(report)
+        for out in report.outputs:
+            job: PrefillJob | None = self.of_seq(out.request_id)
+            if job is None:
+                continue  # ended during the step
+            job.token, job.sampled_at = out.new_token_ids[0], time.monotonic()
+            job.finish = finish_reason(job.seq, self.eos_token_ids)
+            await self.send_prefill_done(job, out)
+            if job.reserved is None:  # a held result: wait for Reserved under a lease
+                job.lease = self.later(
+                    self.lease_s, self.fail, job, LEASE_EXPIRED, "no Reserved within the lease"
+                )
+        for item in report.out.scheduled:
+            job = self.of_seq(item.seq)
+            if job is not None:
+                await self._pump(job)
+
+    # --- shipping -----------------------------------------------------------------------------------
+
+    async def _attach(self, job: PrefillJob, r: control_pb2.Reserved) -> None:
+        why = job.check_reserved(r, self.block_size) or self.control.links.compatible(job.decode.worker_id)
+        if why is not None:
+            await self.fail(job, control_pb2.ABORT_REASON_WORKER_ERROR, why)
+            return
+        job.reserved = r
+        if job.lease is not None:
+            job.lease.cancel()
+            job.lease = None
+        await self.shipper.open(job)
+        await self._pump(job)
+
+    async def _pump(self, job: PrefillJob) -> None:
+        """Post every chunk that is ready; once all are posted, finish the transfer in the background."""
+        if job.reserved is None or job.done_sent:
+            return
+        while (chunk := job.next_chunk(self.block_size)) is not None:
+            await self.shipper.post(job, chunk)
+            job.posted(chunk, self.block_size)
+            ready = control_pb2.KVChunkReady(
+                rid=job.rid,
+                generation=job.generation,
+                chunk_index=chunk.index,
+                first_block=chunk.first_block,
+                num_blocks=len(chunk.dst_blocks),
+                end_token=chunk.end_token,
+            )
+            if not await self.to_peer(job.decode, kv_chunk_ready=ready):
+                await self.fail(job, PEER_FAILED, "decode worker not reading")
+                return
+        if job.all_posted(self.block_size):
+            job.done_sent = True
+            self.spawn(self._complete, job)
+
+    async def _complete(self, job: PrefillJob) -> None:
+        """Wait for every posted send, then KVDone to D, then wait (under a lease) for its KVAck."""
+        reserved = job.reserved
+        error = await self.shipper.flush(job)  # protects an invariant: KVDone means every byte landed
+        if not self.is_current(job) or job.reserved is not reserved:
+            return  # ended, or reassigned to another decode worker meanwhile
+        if error is not None:
+            await self.fail(job, PEER_FAILED, error)
+            return
+        assert job.token is not None and job.sampled_at is not None
+        done = control_pb2.KVDone(
+            rid=job.rid,
+            generation=job.generation,
+            token_id=job.token,
+            num_chunks=job.chunks,
+            num_tokens=job.num_kv_tokens,
+            finish_reason=job.finish,  # type: ignore[arg-type]
+            kv_transfer_ms=(time.monotonic() - job.sampled_at) * 1e3,
+        )
+        if not await self.to_peer(job.decode, kv_done=done):
+            await self.fail(job, PEER_FAILED, "decode worker not reading")
+            return
+        job.lease = self.later(self.lease_s, self.fail, job, LEASE_EXPIRED, "no KVAck within the lease")
+
+    # --- ending -------------------------------------------------------------------------------------
+
+    def _stash(self, sender: str, r: control_pb2.Reserved) -> None:
+        old = self._early.pop(r.rid, None)
+        if old is not None:
+            old[2].cancel()
+        lease_s = (r.lease_ms or self.settings.lease_ms) / 1e3
+        timer = asyncio.get_running_loop().call_later(lease_s, self._early.pop, r.rid, None)
+        self._early[r.rid] = (sender, r, timer)
+
+    def _release(self, rec: RequestRecord, outcome: str) -> None:
+        assert isinstance(rec, PrefillJob)
+        if rec.reserved is not None:
+            self.shipper.close(rec, ok=outcome == "shipped", reason=outcome)
+        self.stepper.release(rec.seq)  # freed, or kept findable by the prefix cache
+
+    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+        return isinstance(rec, PrefillJob) and rec.reserved is not None
+
+    def queue_depths(self) -> dict[str, int]:
+        jobs = [j for j in self.records.values() if isinstance(j, PrefillJob)]
+        held = sum(1 for j in jobs if j.prefilled and j.reserved is None)
+        shipping = sum(1 for j in jobs if j.reserved is not None)
+        return super().queue_depths() | {"held": held, "transferring": shipping}

@@ -1,0 +1,196 @@
+"""Worker fixtures: real workers (engine, sockets, step threads) in this process, on 127.0.0.1 with
+OS-chosen ports, driven by `ScriptedCoordinator`, a ZeroMQ ROUTER that plays the coordinator's side of
+control.proto (register, dispatch, collect). The model is loaded once per session and shared read-only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.loader import LoadedModel, load_model
+from engine.worker.process import Worker
+from engine.worker.settings import WorkerSettings
+from splitserve import wire
+from splitserve.control import ControlSocket, envelope
+from splitserve.v1 import control_pb2
+
+WAIT_S = 20.0  # bound of every wait for a message in these tests
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
+    return tiny_model_dir("llama-2l")
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dir: Path) -> LoadedModel:
+    return load_model(model_dir)
+
+
+class ScriptedCoordinator:
+    """The coordinator's side of the protocol, scripted by a test. Accepts every Register, sends each
+    worker the current peers (and everyone a Peers update), and files every other message by kind."""
+
+    def __init__(self) -> None:
+        self.ctx = zmq.asyncio.Context()
+        self.router = ControlSocket.router(self.ctx, "tcp://127.0.0.1:0")
+        self.address = self.router.address.removeprefix("tcp://")
+        self.workers: dict[str, control_pb2.Register] = {}
+        self.inbox: dict[str, asyncio.Queue[tuple[str, control_pb2.Envelope]]] = defaultdict(asyncio.Queue)
+        self._ids = itertools.count(1)
+        self._task = asyncio.create_task(self._serve())
+
+    def peers(self) -> list[control_pb2.Peer]:
+        return [
+            control_pb2.Peer(
+                role=r.role, endpoint=r.endpoint, incarnation=r.incarnation, kv_layout_hash=r.kv_layout.hash
+            )
+            for r in self.workers.values()
+        ]
+
+    async def _serve(self) -> None:
+        while True:
+            got = await self.router.recv()
+            if got.kind == "register":
+                self.workers[got.sender] = got.envelope.register
+                ack = control_pb2.RegisterAck(accepted=True, heartbeat_interval_ms=200, peers=self.peers())
+                await self.router.send(envelope(register_ack=ack), to=got.sender)
+                for wid in self.workers:
+                    if wid != got.sender:
+                        await self.send(wid, peers=control_pb2.Peers(peers=self.peers()))
+            else:  # outputs share one FIFO ("output") so their order across kinds is kept
+                kind = "output" if got.kind in ("prefill_done", "token_batch") else got.kind
+                self.inbox[kind].put_nowait((got.sender, got.envelope))
+
+    async def send(self, worker_id: str, **msg: Any) -> None:
+        await self.router.send(envelope(**msg), to=worker_id)
+
+    async def expect(self, kind: str, timeout: float = WAIT_S) -> tuple[str, control_pb2.Envelope]:
+        """The next message of `kind` (bounded wait)."""
+        return await asyncio.wait_for(self.inbox[kind].get(), timeout)
+
+    async def collect(self, rids: set[int]) -> dict[int, tuple[list[int], int]]:
+        """Gather PrefillDone and TokenBatch output until every rid finished: rid -> (tokens, finish).
+        Asserts each request's offsets are contiguous (no gap, no duplicate)."""
+        tokens: dict[int, list[int]] = {rid: [] for rid in rids}
+        base: dict[int, int] = {}
+        finished: dict[int, int] = {}
+        while set(finished) != rids:
+            _, env = await self.expect("output")
+            items = [env.prefill_done.output] if env.HasField("prefill_done") else list(env.token_batch.items)
+            for item in items:
+                assert item.rid in rids and item.rid not in finished, f"unexpected output for {item.rid}"
+                start = base.setdefault(item.rid, item.offset)
+                assert item.offset == start + len(tokens[item.rid]), "offset gap or duplicate"
+                tokens[item.rid] += wire.unpack_ids(item.token_ids)
+                if item.finish_reason:
+                    finished[item.rid] = item.finish_reason
+        return {rid: (tokens[rid], finished[rid]) for rid in rids}
+
+    async def pool_state(self, worker_id: str) -> control_pb2.PoolStateReply:
+        qid = next(self._ids)
+        await self.send(
+            worker_id, pool_state_query=control_pb2.PoolStateQuery(query_id=qid, check_integrity=True)
+        )
+        while True:
+            _, env = await self.expect("pool_state_reply")
+            if env.pool_state_reply.query_id == qid:
+                return env.pool_state_reply
+
+    async def assert_pool_clean(self, worker_id: str) -> control_pb2.PoolStateReply:
+        """Integrity holds and no block is held (free or kept by the prefix cache only)."""
+        reply = await self.pool_state(worker_id)
+        pool = reply.pool
+        assert pool.integrity_ok, pool.integrity_error
+        assert pool.held_blocks == 0, f"{worker_id} holds {pool.held_blocks} blocks"
+        assert pool.free_blocks + pool.cached_blocks == pool.total_blocks
+        return reply
+
+    async def close(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        self.router.close()
+        self.ctx.term()
+
+
+def endpoint(worker: Worker) -> control_pb2.WorkerEndpoint:
+    assert worker.control is not None
+    return worker.control.endpoint
+
+
+def execution_request(
+    rid: int,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    generation: int = 1,
+    output: list[int] | None = None,
+    identity: str = "",
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> control_pb2.ExecutionRequest:
+    return control_pb2.ExecutionRequest(
+        rid=rid,
+        generation=generation,
+        request_id=f"req-{rid}",
+        model="tiny",
+        model_identity=identity,
+        prompt_token_ids=wire.pack_ids(prompt),
+        output_token_ids=wire.pack_ids(output or []),
+        sampling=control_pb2.Sampling(temperature=temperature, top_p=1.0, repetition_penalty=1.0, seed=seed),
+        stopping=control_pb2.Stopping(max_tokens=max_tokens, ignore_eos=ignore_eos),
+    )
+
+
+class Cluster:
+    """Workers started against one ScriptedCoordinator; `close()` stops them all."""
+
+    def __init__(self, coordinator: ScriptedCoordinator, loaded: LoadedModel, backend: str = "tcp") -> None:
+        self.coordinator = coordinator
+        self.loaded = loaded
+        self.backend = backend
+        self.workers: dict[str, Worker] = {}
+
+    async def start(self, role: str, worker_id: str, *, lease_ms: int = 10_000, **engine: Any) -> Worker:
+        engine.setdefault("block_size", 4)
+        engine.setdefault("num_blocks", 64)
+        settings = WorkerSettings(
+            role=role,
+            model="tiny",
+            coordinator=self.coordinator.address,
+            worker_id=worker_id,
+            engine=EngineConfig(**engine),
+            transfer_backend=self.backend,
+            lease_ms=lease_ms,
+            drain_timeout_s=5.0,
+            register_timeout_s=WAIT_S,
+        )
+        worker = Worker(settings, self.loaded)
+        self.workers[worker_id] = worker
+        await worker.start()
+        return worker
+
+    async def close(self) -> None:
+        for worker in self.workers.values():
+            await worker.close()
+
+
+@pytest.fixture
+async def cluster(loaded: LoadedModel) -> AsyncIterator[Cluster]:
+    coordinator = ScriptedCoordinator()
+    c = Cluster(coordinator, loaded)
+    try:
+        yield c
+    finally:
+        await c.close()
+        await coordinator.close()
