@@ -174,6 +174,8 @@ class Admission:
             )
 
     def check_token_ids(self, ids: Sequence[int], path: str) -> None:
+        if not ids or max(ids) < self.model.vocab_size:
+            return
         for i, token_id in enumerate(ids):
             if token_id >= self.model.vocab_size:
                 raise invalid(

@@ -16,8 +16,7 @@ from typing import Any
 import grpc
 import structlog
 import zmq.asyncio
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import Admission
@@ -110,7 +109,7 @@ class Coordinator:
             heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
             on_membership=self._membership_changed,
         )
-        self.health = HealthServicer()
+        self.health = health.aio.HealthServicer()
         await self._sync_health()
         limit = cfg.max_request_bytes * _GRPC_RECEIVE_FACTOR
         self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])

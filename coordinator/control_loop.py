@@ -248,9 +248,8 @@ class ControlPlane:
 
     def _pool_state_reply(self, sender: str, msg: control_pb2.PoolStateReply) -> None:
         info = self.registry.get(sender)
-        if info is not None:
-            info.apply_report(msg.pool, msg.load)
-            self.metrics.set_worker_pool(info.worker_id, info.role_name, info.pool)
+        if info is not None:  # the registry keeps the heartbeat's view; only the gauges take the fresh one
+            self.metrics.set_worker_pool(info.worker_id, info.role_name, msg.pool)
         query = self._queries.get(msg.query_id)
         if query is not None and sender in query[0]:
             targets, replies, done = query

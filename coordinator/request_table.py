@@ -7,6 +7,8 @@ A record is created when admission passes (`insert`) and leaves the table when t
 
     dropped and counted   unknown rid, ended request, other generation, or not from the current owner
     dropped (duplicate)   every token at or below what the stream already has
+    held                  decode output that arrived before the prefill worker's first token (two
+                          senders, two sockets: no order between them); replayed when it arrives
     GAP                   an offset past the next expected position: an error the caller recovers from
     accepted              new tokens go to the record's event queue, in order
 
@@ -32,6 +34,9 @@ from splitserve.wire import ids_array, unpack_ids
 
 log = structlog.get_logger(__name__)
 
+# decode outputs kept while the prefill worker's first token is still on its way; more is a gap
+MAX_HELD_OUTPUTS = 64
+
 
 class RequestState(enum.Enum):
     QUEUED = "queued"  # in the admission queue; no worker holds anything for it
@@ -43,6 +48,7 @@ class Outcome(enum.Enum):
     ACCEPTED = "accepted"
     FINISHED = "finished"  # accepted, and it ended the request (the record left the table)
     DROPPED = "dropped"
+    HELD = "held"  # waits for the prefill worker's token
     GAP = "gap"
 
 
@@ -91,7 +97,9 @@ class RequestRecord:
     events: asyncio.Queue[OutputEvent] = field(default_factory=asyncio.Queue)
     stats: RequestStats = field(default_factory=RequestStats)
     enqueued_at: float = field(default_factory=time.monotonic)
+    prefill_done: bool = False  # the current generation's prefill worker has sent its token
     decode_started: bool = False  # the current generation's decode worker has sent tokens
+    held: list[control_pb2.Tokens] = field(default_factory=list)  # see Outcome.HELD
     ended: bool = False
 
     @property
@@ -150,7 +158,8 @@ class RequestTable:
     def bump(self, record: RequestRecord) -> int:
         """A new version: everything older is stale from now on. Returns the new generation."""
         record.generation += 1
-        record.decode_started = False
+        record.prefill_done = record.decode_started = False
+        record.held.clear()
         return record.generation
 
     def end(self, record: RequestRecord, event: EndEvent | None = None) -> None:
@@ -174,6 +183,19 @@ class RequestTable:
 
     def accept(self, sender: str, tokens: control_pb2.Tokens, *, from_prefill: bool) -> Outcome:
         """Gate one worker output (PrefillDone.output when `from_prefill`, else a TokenBatch item)."""
+        outcome = self._accept(sender, tokens, from_prefill)
+        record = self._by_rid.get(tokens.rid)
+        if from_prefill and outcome is Outcome.ACCEPTED and record is not None and record.held:
+            held, record.held = record.held, []
+            for item in held:  # the decode outputs that overtook this token, in arrival order
+                outcome = self._accept(record.decode_worker or "", item, from_prefill=False)
+                if outcome in (Outcome.GAP, Outcome.FINISHED):
+                    break
+            else:
+                outcome = Outcome.ACCEPTED
+        return outcome
+
+    def _accept(self, sender: str, tokens: control_pb2.Tokens, from_prefill: bool) -> Outcome:
         record = self._by_rid.get(tokens.rid)
         if record is None:
             self.drop_late("unknown or ended rid", tokens.rid)
@@ -183,6 +205,11 @@ class RequestTable:
             self.drop_late(f"generation {tokens.generation} from {sender}", tokens.rid)
             return Outcome.DROPPED
         have = len(record.output_token_ids)
+        if from_prefill:
+            record.prefill_done = True
+        elif not record.prefill_done and tokens.offset > have and len(record.held) < MAX_HELD_OUTPUTS:
+            record.held.append(tokens)
+            return Outcome.HELD
         if tokens.offset > have:
             log.error("output gap", rid=record.rid, expected_offset=have, got_offset=tokens.offset)
             return Outcome.GAP

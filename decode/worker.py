@@ -48,6 +48,7 @@ class DecodeRequest(RequestRecord):
     reserved_blocks: list[int] = field(default_factory=list)
     kv_start_token: int = 0
     chunks: set[int] = field(default_factory=set)
+    kv_done: bool = False
     running: bool = False
     first_token_sent: bool = False
     kv_transfer_ms: float | None = None
@@ -119,9 +120,7 @@ class DecodeWorker(WorkerRole):
         self.track(r)
         assert self.receiver is not None and r.peer is not None
         await self.receiver.open(r)
-        r.lease = self.later(
-            self.settings.lease_ms / 1e3, self.fail, r, control_pb2.ABORT_REASON_LEASE_EXPIRED, "no KVDone"
-        )
+        self.rearm_lease(r, "no KVDone within the lease")
         reserved = control_pb2.Reserved(
             rid=r.rid,
             generation=r.generation,
@@ -167,11 +166,11 @@ class DecodeWorker(WorkerRole):
     async def on_kv_done(self, msg: Received) -> None:
         k = msg.envelope.kv_done
         r: DecodeRequest | None = self.current(k.rid, k.generation, "kv_done", msg.sender)
-        if r is None or r.running:
+        if r is None or r.kv_done:
+            self.metrics.stale_messages.labels("kv_done").inc()
             return
-        if r.lease is not None:
-            r.lease.cancel()
-            r.lease = None
+        r.kv_done = True
+        self.rearm_lease(r, "receives not done within the lease")  # now it bounds the last receives
         self.spawn(self._join, r, k)
 
     async def _join(self, r: DecodeRequest, k: control_pb2.KVDone) -> None:
@@ -191,6 +190,7 @@ class DecodeWorker(WorkerRole):
             await self.fail(r, PEER_FAILED, error)
             return
         self.receiver.close(r, ok=True)
+        self.rearm_lease(r, None)
         if k.finish_reason != serving_pb2.FINISH_REASON_UNSPECIFIED:
             self._end(r, "finished")  # token 1 ended it: P reported it, nothing to generate
             return

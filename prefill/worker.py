@@ -35,7 +35,6 @@ from splitserve.control import Received
 from splitserve.v1 import control_pb2
 
 log = structlog.get_logger(__name__)
-LEASE_EXPIRED = control_pb2.ABORT_REASON_LEASE_EXPIRED
 PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
 
 
@@ -56,7 +55,6 @@ class PrefillWorker(WorkerRole):
         engine.scheduler.prefill_only = True
         self.shipper = shipper
         self.block_size = engine.pool.block_size
-        self.lease_s = settings.lease_ms / 1e3
         self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
 
     # --- coordinator messages -----------------------------------------------------------------------
@@ -99,18 +97,14 @@ class PrefillWorker(WorkerRole):
             job.reserved, job.next_block, job.chunks, job.done_sent = None, 0, 0, False
         job.peer = r.decode
         job.log.info("decode worker reassigned", decode=r.decode.worker_id)
-        if job.lease is not None:
-            job.lease.cancel()
-            job.lease = None
+        self.rearm_lease(job, None)
         early = self._early.get(r.rid)
         if early is not None and early[0] == r.decode.worker_id and early[1].generation == r.generation:
             del self._early[r.rid]
             early[2].cancel()
             await self._attach(job, early[1])
         elif job.prefilled:
-            job.lease = self.later(
-                self.lease_s, self.fail, job, LEASE_EXPIRED, "no Reserved within the lease"
-            )
+            self.rearm_lease(job, "no Reserved within the lease")
 
     async def on_abort(self, msg: Received) -> None:
         a = msg.envelope.abort
@@ -125,13 +119,17 @@ class PrefillWorker(WorkerRole):
     async def on_reserved(self, msg: Received) -> None:
         r = msg.envelope.reserved
         job = self.records.get(r.rid)
-        if job is None or job.generation < r.generation:
-            self._stash(msg.sender, r)  # Reserved before Prefill (different senders): keep it for its lease
+        assert job is None or isinstance(job, PrefillJob)
+        if r.decode_worker_id != msg.sender or (job is not None and job.generation > r.generation):
+            self.metrics.stale_messages.labels("reserved").inc()
             return
-        job = self.current(r.rid, r.generation, "reserved", msg.sender)
-        if job is None or job.reserved is not None or r.decode_worker_id != msg.sender:
+        if job is None or job.generation < r.generation or job.decode.worker_id != msg.sender:
+            # Reserved before Prefill, or before the Reassign naming its sender (different senders
+            # race): kept for its lease, used only if that Prefill or Reassign comes
+            self._stash(msg.sender, r)
             return
-        await self._attach(job, r)
+        if job.reserved is None:
+            await self._attach(job, r)
 
     async def on_kv_ack(self, msg: Received) -> None:
         k = msg.envelope.kv_ack
@@ -157,9 +155,7 @@ class PrefillWorker(WorkerRole):
             job.finish = finish_reason(job.seq, self.eos_token_ids)
             await self.send_prefill_done(job, out)
             if job.reserved is None:  # a held result: wait for Reserved under a lease
-                job.lease = self.later(
-                    self.lease_s, self.fail, job, LEASE_EXPIRED, "no Reserved within the lease"
-                )
+                self.rearm_lease(job, "no Reserved within the lease")
         for item in report.out.scheduled:
             job = self.of_seq(item.seq)
             if job is not None:
@@ -173,9 +169,7 @@ class PrefillWorker(WorkerRole):
             await self.fail(job, control_pb2.ABORT_REASON_WORKER_ERROR, why)
             return
         job.reserved = r
-        if job.lease is not None:
-            job.lease.cancel()
-            job.lease = None
+        self.rearm_lease(job, None)
         await self.shipper.open(job)
         await self._pump(job)
 
@@ -199,6 +193,7 @@ class PrefillWorker(WorkerRole):
                 return
         if job.all_posted(self.block_size):
             job.done_sent = True
+            self.rearm_lease(job, "sends not done within the lease")
             self.spawn(self._complete, job)
 
     async def _complete(self, job: PrefillJob) -> None:
@@ -223,7 +218,7 @@ class PrefillWorker(WorkerRole):
         if not await self.to_peer(job.decode, kv_done=done):
             await self.fail(job, PEER_FAILED, "decode worker not reading")
             return
-        job.lease = self.later(self.lease_s, self.fail, job, LEASE_EXPIRED, "no KVAck within the lease")
+        self.rearm_lease(job, "no KVAck within the lease")
 
     # --- ending -------------------------------------------------------------------------------------
 

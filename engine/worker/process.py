@@ -111,9 +111,8 @@ class Worker:
         await c.send_heartbeat()
         if c.stop_drain:
             log.info("draining", in_flight=len(role.records), grace_s=c.stop_grace_s)
-            try:
-                async with asyncio.timeout(c.stop_grace_s):
-                    await role.idle.wait()  # bounded: in-flight requests finish, up to the grace period
+            try:  # bounded wait: in-flight requests finish, up to the grace period
+                await asyncio.wait_for(role.idle.wait(), c.stop_grace_s)
             except TimeoutError:
                 log.warning("drain timed out", in_flight=len(role.records))
         await role.abort_all(control_pb2.ABORT_REASON_SHUTDOWN, "worker shutting down")

@@ -116,12 +116,10 @@ class WorkerRole:
     def current(self, rid: int, generation: int, kind: str, sender: str | None = None) -> Any:
         """The record for exactly (rid, generation) from its peer `sender`, else None (counted)."""
         rec = self.records.get(rid)
-        if (
-            rec is None
-            or rec.generation != generation
-            or (sender is not None and rec.peer is None)
-            or (sender is not None and rec.peer is not None and rec.peer.worker_id != sender)
-        ):
+        ok = rec is not None and rec.generation == generation
+        if ok and sender is not None:  # P<->D messages must come from the request's peer
+            ok = rec is not None and rec.peer is not None and rec.peer.worker_id == sender
+        if not ok:
             self.metrics.stale_messages.labels(kind).inc()
             return None
         return rec
@@ -281,6 +279,15 @@ class WorkerRole:
     def later(self, delay_s: float, fn: Callable[..., Awaitable[None]], *args: Any) -> asyncio.TimerHandle:
         """Run `fn(*args)` as a task after `delay_s` (a lease or a deadline); cancel the handle to disarm."""
         return asyncio.get_running_loop().call_later(delay_s, self.spawn, fn, *args)
+
+    def rearm_lease(self, rec: RequestRecord, message: str | None) -> None:
+        """Replace `rec`'s lease: after --lease-ms it fails with LEASE_EXPIRED (`message` None: disarm)."""
+        if rec.lease is not None:
+            rec.lease.cancel()
+            rec.lease = None
+        if message is not None:
+            lease_s = self.settings.lease_ms / 1e3
+            rec.lease = self.later(lease_s, self.fail, rec, control_pb2.ABORT_REASON_LEASE_EXPIRED, message)
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Run `fn(*args)` as a task the role keeps a reference to; failures are logged."""

@@ -141,12 +141,7 @@ class ControlPlane:
         )
         try:
             # bounded wait: a coordinator that never answers must not hang the worker's start
-            async with asyncio.timeout(s.register_timeout_s):
-                while True:
-                    got = await self.coordinator.recv()
-                    if got.kind == "register_ack":
-                        break
-                    log.warning("message before RegisterAck ignored", kind=got.kind)
+            got = await asyncio.wait_for(self._register_ack(), s.register_timeout_s)
         except TimeoutError:
             raise RegistrationError(
                 f"no RegisterAck from {s.coordinator} within {s.register_timeout_s}s"
@@ -160,6 +155,13 @@ class ControlPlane:
         self.registered = True
         log.info("registered", coordinator=s.coordinator, peers=len(ack.peers))
         return ack
+
+    async def _register_ack(self) -> Received:
+        while True:
+            got = await self.coordinator.recv()
+            if got.kind == "register_ack":
+                return got
+            log.warning("message before RegisterAck ignored", kind=got.kind)
 
     def start(self, role: RoleHandler) -> None:
         """Start the two reader tasks and the heartbeat task (after `register`)."""

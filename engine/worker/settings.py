@@ -55,7 +55,7 @@ def default_served_name(model: str) -> str:
     """The coordinator's default: "tiny" for the built-in model, else the checkpoint directory's name."""
     if model == "tiny" or model.startswith("tiny:"):
         return "tiny"
-    return Path(model).name
+    return Path(model).resolve().name
 
 
 def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = False) -> None:

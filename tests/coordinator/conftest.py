@@ -11,14 +11,98 @@ import grpc
 import pytest
 import zmq.asyncio
 
+from coordinator.admission import AdmittedRequest
 from coordinator.app import Coordinator, CoordinatorConfig
+from coordinator.router import Router
 from coordinator.served_model import ServedModel, load_served_model
-from tests.coordinator.peer import ScriptedWorker
+from coordinator.workers import WorkerInfo, WorkerRegistry
+from engine.sampling_params import SamplingParams
+from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
+from splitserve.wire import pack_hashes
+from tests.coordinator.peer import ROLES, ScriptedWorker
 
 
 @pytest.fixture(scope="session")
 def served_model(tiny_model_dir: Callable[[str], Path]) -> ServedModel:
     return load_served_model(str(tiny_model_dir("llama-2l")), "tiny")
+
+
+class Pool:
+    """A registry of workers built from real Register/Heartbeat messages."""
+
+    def __init__(self, model: ServedModel) -> None:
+        self.model = model
+        self.registry = WorkerRegistry(model, heartbeat_timeout_s=3.0)
+        self.router = Router(self.registry)
+
+    def add(
+        self, worker_id: str, role: str, num_blocks: int = 64, layout: str = "a", block_size: int = 16
+    ) -> WorkerInfo:
+        reg = control_pb2.Register(
+            protocol_version=control_pb2.PROTOCOL_VERSION_1,
+            role=ROLES[role],
+            endpoint=control_pb2.WorkerEndpoint(worker_id=worker_id),
+            incarnation=1,
+            model=self.model.name,
+            model_identity=self.model.identity,
+            context_length=self.model.context_length,
+            kv_layout=control_pb2.KvLayout(block_size=block_size, hash=layout),
+            num_blocks=num_blocks,
+        )
+        assert self.registry.refusal(worker_id, reg) is None
+        return self.registry.add(reg, now=0.0)[0]
+
+    def pair(self, decode_free: int | None = None) -> None:
+        """Prefill worker "p" and decode worker "d", the latter reporting `decode_free` free blocks."""
+        self.add("p", "prefill")
+        self.add("d", "decode")
+        if decode_free is not None:
+            self.report("d", free=decode_free)
+
+    def report(
+        self,
+        worker_id: str,
+        *,
+        free: int | None = None,
+        queued_tokens: int = 0,
+        us_per_token: float = 0.0,
+        stored: list[int] | None = None,
+        seq: int | None = None,
+        now: float = 0.0,
+    ) -> None:
+        info = self.registry.get(worker_id)
+        assert info is not None
+        n = info.register.num_blocks
+        hb = control_pb2.Heartbeat(
+            worker_id=worker_id,
+            incarnation=1,
+            seq=info.heartbeat_seq + 1 if seq is None else seq,
+            load=serving_pb2.WorkerLoad(queued_tokens=queued_tokens, prefill_us_per_token=us_per_token),
+            pool=serving_pb2.KvPoolState(total_blocks=n, free_blocks=n if free is None else free),
+            prefix_cache=control_pb2.PrefixCacheEvents(stored=pack_hashes(stored or [])),
+        )
+        assert self.registry.heartbeat(worker_id, hb, now) is not None
+
+
+@pytest.fixture
+def pool(served_model: ServedModel) -> Pool:
+    return Pool(served_model)
+
+
+def make_admitted(
+    model: ServedModel, prompt: str = "hello world", request_id: str = "r", priority: int = 0, **params: Any
+) -> AdmittedRequest:
+    """An admitted request as admission would produce it (seeded, max_tokens resolved)."""
+    params.setdefault("seed", 1)
+    params.setdefault("max_tokens", 8)
+    ids = model.tokenizer.encode(prompt)
+    return AdmittedRequest(
+        request_id=request_id,
+        model=model,
+        prompt_token_ids=ids,
+        params=SamplingParams(**params),
+        priority=priority,
+    )
 
 
 class Cluster:
@@ -30,6 +114,8 @@ class Cluster:
         self.channel = grpc.aio.insecure_channel(app.grpc_address)
         self.zmq = zmq.asyncio.Context()
         self.workers: list[ScriptedWorker] = []
+        self.inference = serving_pb2_grpc.InferenceServiceStub(self.channel)
+        self.admin = serving_pb2_grpc.AdminServiceStub(self.channel)
 
     def worker(self, worker_id: str, role: str, **kwargs: Any) -> ScriptedWorker:
         w = ScriptedWorker(self.zmq, self.app.control_address, worker_id, role, self.model, **kwargs)
@@ -55,10 +141,8 @@ async def start_cluster(served_model: ServedModel) -> AsyncIterator[Callable[...
     clusters: list[Cluster] = []
 
     async def start(**overrides: Any) -> Cluster:
-        config = CoordinatorConfig(
-            model="tiny", port=0, control_port=0, metrics_port=0, heartbeat_interval_ms=100,
-            heartbeat_timeout_ms=5000, **overrides,
-        )  # fmt: skip
+        settings: dict[str, Any] = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 5000} | overrides
+        config = CoordinatorConfig(model="tiny", port=0, control_port=0, metrics_port=0, **settings)
         app = Coordinator(config, model=served_model)
         await app.start()
         clusters.append(Cluster(app, served_model))

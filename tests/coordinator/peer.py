@@ -122,16 +122,18 @@ class ScriptedWorker:
         generation: int,
         offset: int,
         ids: Sequence[int],
-        finish: int = 0,
+        finish: serving_pb2.FinishReason.ValueType = serving_pb2.FINISH_REASON_UNSPECIFIED,
         *,
         prefill_done: bool = False,
     ) -> None:
         """Send output tokens: as PrefillDone when `prefill_done`, else as a one-item TokenBatch."""
         item = control_pb2.Tokens(
             rid=rid, generation=generation, offset=offset, token_ids=pack_ids(list(ids)), finish_reason=finish
-        )  # type: ignore[arg-type]
+        )
         if prefill_done:
-            done = control_pb2.PrefillDone(output=item, cached_tokens=0, computed_tokens=3, queue_ms=1.5, prefill_ms=2.5)
+            done = control_pb2.PrefillDone(
+                output=item, cached_tokens=0, computed_tokens=3, queue_ms=1.5, prefill_ms=2.5
+            )
             await self.send(prefill_done=done)
         else:
             await self.send(token_batch=control_pb2.TokenBatch(worker_id=self.worker_id, items=[item]))

@@ -45,7 +45,7 @@ BAD_INPUTS: list[tuple[str, str | None, dict[str, Any], grpc.StatusCode, str, st
     (
         "prompt over the context",
         API_KEY,
-        {"prompt": list(range(3, 3000))},
+        {"prompt": [5] * 3000},
         INVALID,
         "PROMPT_TOO_LONG",
         "context",
@@ -53,7 +53,7 @@ BAD_INPUTS: list[tuple[str, str | None, dict[str, Any], grpc.StatusCode, str, st
     (
         "prompt + max_tokens over the context",
         API_KEY,
-        {"prompt": list(range(3, 2000)), "max_tokens": 500},
+        {"prompt": [5] * 2000, "max_tokens": 500},
         INVALID,
         "CONTEXT_LENGTH_EXCEEDED",
         "max_tokens",

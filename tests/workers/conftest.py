@@ -68,7 +68,7 @@ class ScriptedCoordinator:
                     if wid != got.sender:
                         await self.send(wid, peers=control_pb2.Peers(peers=self.peers()))
             else:  # outputs share one FIFO ("output") so their order across kinds is kept
-                kind = "output" if got.kind in ("prefill_done", "token_batch") else got.kind
+                kind = "output" if got.kind in ("prefill_done", "token_batch", "preempted") else got.kind
                 self.inbox[kind].put_nowait((got.sender, got.envelope))
 
     async def send(self, worker_id: str, **msg: Any) -> None:

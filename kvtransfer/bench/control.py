@@ -1,0 +1,102 @@
+"""Control channel of kvbench and the kvtransfer tests: JSON requests over ZeroMQ DEALER/ROUTER.
+
+An agent process (`kvtransfer.bench.agent`) binds a ROUTER socket and answers requests
+`{"id": n, "op": ..., ...}` with `{"id": n, "ok": true, ...}` or `{"id": n, "ok": false, "error": ...}`;
+requests run concurrently, so a long `wait_recv` never delays an `abort`. Bulk bytes never travel
+here. `spawn_agent` starts a local agent and returns once it printed its ready line (a pipe, no sleep).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+READY_PREFIX = "KVAGENT-READY "
+
+
+class AgentError(RuntimeError):
+    """The agent answered a request with an error."""
+
+
+class AgentClient:
+    """Async client of one agent. Owns its DEALER socket; `close()` it when done."""
+
+    def __init__(self, endpoint: str, context: zmq.asyncio.Context | None = None) -> None:
+        self._context = context or zmq.asyncio.Context.instance()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.connect(endpoint)
+        self._ids = itertools.count()
+        self._waiters: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            reply = json.loads(await self._socket.recv())
+            waiter = self._waiters.pop(reply["id"], None)
+            if waiter is not None and not waiter.done():
+                waiter.set_result(reply)
+
+    async def call(self, op: str, timeout: float = 120.0, **args: Any) -> dict[str, Any]:
+        """Send one request and return its reply; raises AgentError on an error reply."""
+        request_id = next(self._ids)
+        waiter: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiters[request_id] = waiter
+        await self._socket.send(json.dumps({"id": request_id, "op": op, **args}).encode())
+        reply = await asyncio.wait_for(waiter, timeout)
+        if not reply.get("ok"):
+            raise AgentError(f"{op}: {reply.get('error')}")
+        return reply
+
+    def close(self) -> None:
+        self._reader.cancel()
+        self._socket.close()
+
+
+@dataclass
+class SpawnedAgent:
+    """A local agent process; `info` is its ready line (control endpoint, transport address)."""
+
+    process: subprocess.Popen[str]
+    info: dict[str, Any]
+
+    @property
+    def control(self) -> str:
+        return str(self.info["control"])
+
+    @property
+    def address(self) -> str:
+        return str(self.info["address"])
+
+    def stop(self) -> None:
+        """Kill the process if it still runs and reap it."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def spawn_agent(args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 60.0) -> SpawnedAgent:
+    """Start `python -m kvtransfer.bench.agent ARGS` and wait for its ready line on stdout."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvtransfer.bench.agent", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    # Wait (protects an invariant): nobody may talk to the agent before it listens.
+    line = process.stdout.readline()
+    if not line.startswith(READY_PREFIX):
+        process.kill()
+        process.wait(timeout)
+        raise RuntimeError(f"agent failed to start (exit code {process.returncode}): {line!r}")
+    return SpawnedAgent(process, json.loads(line[len(READY_PREFIX) :]))

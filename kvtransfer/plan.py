@@ -1,0 +1,94 @@
+"""Which bytes travel in which message: the plan both sides of a session compute identically.
+
+A session moves the sequence's logical blocks `0..n-1` from the sender's block ids `src[i]` into
+the receiver's reserved ids `dst[i]`. The plan depends only on the receiver's ids (which the sender
+learns from the receiver's reservation), so both sides derive the same messages without talking:
+
+    logical blocks  0   1   2   3   4   5   6   7
+    dst ids        [40  41  42  43][7][19][3][60  61  62]
+    messages       |---- m0: direct --|-- m1: packed --|- m2: direct -|
+
+- a *direct* message covers a run of consecutive dst ids, so it is received straight into the cache
+  (no copy) and, when the src ids of the same run are consecutive too, sent straight from the cache;
+- a *packed* message covers short runs that are coalesced: the receiver receives into a staging
+  buffer and scatters (`kernels.scatter_blocks`), the sender gathers (`kernels.gather_blocks`).
+
+Each message has a 64-bit tag: 48 bits of a stable hash of (request id, generation), 16 bits of the
+message index, so a retry under a new generation can never match an old session's receives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAX_MESSAGES = 1 << 16
+
+
+def session_tag_base(request_id: str, generation: int) -> int:
+    """High 48 bits of every tag of the session (request_id, generation); stable across processes."""
+    h = hashlib.blake2b(f"{request_id}\x00{generation}".encode(), digest_size=6).digest()
+    return int.from_bytes(h, "big") << 16
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Logical blocks `[start, stop)` of a session, sent as one tagged message."""
+
+    index: int
+    start: int
+    stop: int
+    direct: bool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.stop - self.start
+
+
+def consecutive_start(ids: Sequence[int]) -> int | None:
+    """`ids[0]` when ids are consecutive ascending (one contiguous byte range), else None."""
+    if not ids:
+        return None
+    first = ids[0]
+    return first if all(b == first + i for i, b in enumerate(ids)) else None
+
+
+def plan_messages(
+    dst_ids: Sequence[int], block_bytes: int, max_message_bytes: int, min_direct_bytes: int
+) -> list[Message]:
+    """Split the receiver's reserved ids into messages (see module docstring).
+
+    Runs of consecutive dst ids of at least `min_direct_bytes` become direct messages; shorter runs
+    are packed together. No message exceeds `max_message_bytes` (but each holds at least a block).
+    """
+    max_blocks = max(1, max_message_bytes // block_bytes)
+    min_direct_blocks = max(1, -(-min_direct_bytes // block_bytes))
+    messages: list[Message] = []
+    packed_start: int | None = None
+
+    def add(start: int, stop: int, direct: bool) -> None:
+        for s in range(start, stop, max_blocks):
+            messages.append(Message(len(messages), s, min(s + max_blocks, stop), direct))
+
+    def flush_packed(upto: int) -> None:
+        nonlocal packed_start
+        if packed_start is not None:
+            add(packed_start, upto, False)
+            packed_start = None
+
+    i = 0
+    while i < len(dst_ids):
+        j = i + 1
+        while j < len(dst_ids) and dst_ids[j] == dst_ids[j - 1] + 1:
+            j += 1
+        if j - i >= min_direct_blocks:
+            flush_packed(i)
+            add(i, j, True)
+        elif packed_start is None:
+            packed_start = i
+        i = j
+    flush_packed(len(dst_ids))
+    if len(messages) > MAX_MESSAGES:
+        raise ValueError(f"{len(messages)} messages exceed the tag space of {MAX_MESSAGES}")
+    return messages

@@ -1,0 +1,283 @@
+"""Transfer sessions: one per (request id, generation), on each side, with a lease.
+
+The receiver (decode side) and the sender (prefill side) each hold one session for a request. How
+"done", "ack" and "abort" travel between them (ZeroMQ control messages in the serving path) is not
+this module's business: whoever learns one calls `mark_done`, `acknowledged` or `abort`.
+
+Receiver (`RecvSession`), created by the decode worker after it reserved `block_ids`::
+
+    ACTIVE --(all messages landed and mark_done(first_token))--> DONE: the caller owns the blocks
+       |
+       +--(abort(reason) | lease expired | peer lost | checksum mismatch)--> ABORTING
+              cancel every posted receive, await each one's end (data or confirmed cancel)
+              --> release(block_ids), once --> ABORTED
+
+Sender (`SendSession`), created by the prefill worker once it knows the receiver's block ids::
+
+    ACTIVE --send(upto)...--> (caller sends KVDone) --acknowledged()--> release(src), once --> DONE
+       |
+       +--(abort(reason) | lease expired | peer lost)--> abandon in-flight sends
+              --> release(src), once --> ABORTED
+
+`release` is the owner's callback (e.g. `BlockPool.free`, or a prefix-cache retain on the sender)
+and is called at most once, from the event loop. A receiver's receives are posted by `start()`,
+which must run before the sender learns the block ids, so no message ever finds no buffer posted.
+An abandoned send can only be read (never written) by a receiver whose session is aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import structlog
+import torch
+
+from kernels import gather_blocks, scatter_blocks
+from kvtransfer.checksum import block_checksums
+from kvtransfer.errors import PeerLost, SessionAborted, TransportError
+from kvtransfer.plan import Message, consecutive_start, plan_messages, session_tag_base
+from kvtransfer.transport import Peer, PostedRecv
+
+log = structlog.get_logger(__name__)
+
+Release = Callable[[list[int]], None]
+
+
+class SessionState(enum.Enum):
+    ACTIVE = "active"
+    ABORTING = "aborting"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+@dataclass(frozen=True, slots=True)
+class SessionKey:
+    request_id: str
+    generation: int
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """Tunables both sides of a session must agree on (the message plan depends on the last two)."""
+
+    lease_s: float = 30.0
+    max_inflight: int = 4
+    max_message_bytes: int = 64 << 20
+    min_direct_bytes: int = 256 << 10
+
+
+class _Session(ABC):
+    """What both sides share: key, peer, blocks, the plan, the lease and the exactly-once release."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        key: SessionKey,
+        cache: torch.Tensor,
+        block_ids: Sequence[int],
+        plan_ids: Sequence[int],
+        release: Release,
+        config: SessionConfig,
+    ) -> None:
+        self.peer, self.key, self.cache, self.config = peer, key, cache, config
+        self.block_ids = list(block_ids)
+        block_bytes = cache[0].numel() * cache.element_size()
+        self.messages = plan_messages(plan_ids, block_bytes, config.max_message_bytes, config.min_direct_bytes)
+        self.state = SessionState.ACTIVE
+        self.abort_reason: str | None = None
+        self._tag_base = session_tag_base(key.request_id, key.generation)
+        self._release, self._released = release, False
+        loop = asyncio.get_running_loop()
+        self._result: asyncio.Future[int | None] = loop.create_future()
+        self._lease = loop.call_later(config.lease_s, self.abort, "lease expired")
+        self._unsubscribe = peer.on_lost(lambda reason: self.abort(f"peer lost: {reason}"))
+        self._log = log.bind(rid=key.request_id, gen=key.generation, peer=peer.address)
+
+    def tag(self, message: Message) -> int:
+        return self._tag_base | message.index
+
+    def _staging(self, n: int) -> torch.Tensor:
+        return torch.empty((n, *self.cache.shape[1:]), dtype=self.cache.dtype, device=self.cache.device)
+
+    def _ids(self, ids: Sequence[int]) -> torch.Tensor:
+        return torch.tensor(ids, dtype=torch.long, device=self.cache.device)
+
+    def _release_once(self) -> None:
+        if not self._released:
+            self._released = True
+            self._release(self.block_ids)
+
+    def _end(self, state: SessionState, result: int | None = None) -> None:
+        self._lease.cancel()
+        self._unsubscribe()
+        self.state = state
+        if self._result.done():
+            return
+        if state is SessionState.DONE:
+            self._result.set_result(result)
+        else:
+            self._result.set_exception(SessionAborted(self.abort_reason or "aborted"))
+            self._result.exception()  # a session nobody waits on must not log "never retrieved"
+
+    async def wait(self) -> int | None:
+        """The first token (receiver) or None (sender) at DONE; raises SessionAborted otherwise."""
+        return await asyncio.shield(self._result)
+
+    def abort(self, reason: str) -> None:
+        """End the session (idempotent; a no-op once DONE). Blocks are released once it is safe."""
+        if self.state is not SessionState.ACTIVE:
+            return
+        self.abort_reason = reason
+        self.state = SessionState.ABORTING
+        self._log.info("kv session aborting", reason=reason)
+        task = asyncio.ensure_future(self._finish_abort())
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    @abstractmethod
+    async def _finish_abort(self) -> None:
+        """Wind down in-flight operations, then `_release_once()` and `_end(ABORTED)`."""
+
+
+class RecvSession(_Session):
+    """Decode side: receives into `block_ids` (reserved by the caller). See the module docstring."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        key: SessionKey,
+        cache: torch.Tensor,
+        block_ids: Sequence[int],
+        release: Release,
+        config: SessionConfig | None = None,
+    ) -> None:
+        super().__init__(peer, key, cache, block_ids, block_ids, release, config or SessionConfig())
+        self._posted: list[PostedRecv] = []
+        self._landed: list[asyncio.Task[bool]] = []
+        self._first_token: int | None = None
+        self._checksums: list[int] | None = None
+        self._done_marked = False
+
+    def start(self) -> None:
+        """Post every message's receive buffer. Call before sending the block ids to the sender."""
+        if self._posted or self.state is not SessionState.ACTIVE:
+            return
+        for message in self.messages:
+            ids = self.block_ids[message.start : message.stop]
+            if message.direct:
+                buf, staging = self.cache[ids[0] : ids[-1] + 1], None
+            else:
+                buf = staging = self._staging(message.num_blocks)
+            posted = self.peer.post_recv(self.tag(message), buf)
+            self._posted.append(posted)
+            self._landed.append(asyncio.ensure_future(self._land(posted, ids, staging)))
+
+    async def _land(self, posted: PostedRecv, ids: list[int], staging: torch.Tensor | None) -> bool:
+        try:
+            landed = await posted.wait()
+        except PeerLost as e:
+            self.abort(f"peer lost: {e}")
+            return False
+        if landed and staging is not None:
+            scatter_blocks(self.cache, self._ids(ids), staging)
+        if landed:
+            self._maybe_finish()
+        return landed
+
+    def mark_done(self, first_token: int, checksums: Sequence[int] | None = None) -> None:
+        """The sender finished (KVDone): its first sampled token and, optionally, per-block CRC-32s."""
+        self._first_token, self._done_marked = first_token, True
+        self._checksums = list(checksums) if checksums is not None else None
+        self._maybe_finish()
+
+    def _maybe_finish(self) -> None:
+        if self.state is not SessionState.ACTIVE or not self._done_marked:
+            return
+        if len(self._landed) < len(self.messages) or not all(
+            t.done() and not t.cancelled() and t.result() for t in self._landed
+        ):
+            return
+        if self._checksums is not None and block_checksums(self.cache, self.block_ids) != self._checksums:
+            self.abort("checksum mismatch")
+            return
+        self._end(SessionState.DONE, self._first_token)
+        self._log.debug("kv session received", blocks=len(self.block_ids), messages=len(self.messages))
+
+    async def _finish_abort(self) -> None:
+        for posted in self._posted:
+            posted.cancel()
+        # Wait (protects an invariant): a block goes back to the pool only after its receive
+        # completed or was confirmed cancelled, so no byte can land in a block someone else holds.
+        await asyncio.gather(*self._landed, return_exceptions=True)
+        self._release_once()
+        self._end(SessionState.ABORTED)
+
+
+class SendSession(_Session):
+    """Prefill side: sends `src_block_ids` into the receiver's `dst_block_ids`, message by message."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        key: SessionKey,
+        cache: torch.Tensor,
+        src_block_ids: Sequence[int],
+        dst_block_ids: Sequence[int],
+        release: Release,
+        config: SessionConfig | None = None,
+    ) -> None:
+        if len(src_block_ids) != len(dst_block_ids):
+            raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} reserved blocks")
+        super().__init__(peer, key, cache, src_block_ids, dst_block_ids, release, config or SessionConfig())
+        self._next = 0
+        self._inflight = asyncio.Semaphore(self.config.max_inflight)
+        self._sends: list[asyncio.Task[None]] = []
+
+    async def send(self, upto: int | None = None) -> None:
+        """Send every message whose blocks all lie below logical block `upto` (None: all blocks) and
+        return once they are delivered. Call again as prefill produces more blocks."""
+        limit = len(self.block_ids) if upto is None else upto
+        while self._next < len(self.messages) and self.messages[self._next].stop <= limit:
+            if self.state is not SessionState.ACTIVE:
+                break
+            await self._inflight.acquire()
+            self._sends.append(asyncio.ensure_future(self._send_one(self.messages[self._next])))
+            self._next += 1
+        await asyncio.gather(*self._sends, return_exceptions=True)
+        if self.state is not SessionState.ACTIVE:
+            raise SessionAborted(self.abort_reason or "aborted")
+
+    async def _send_one(self, message: Message) -> None:
+        try:
+            ids = self.block_ids[message.start : message.stop]
+            first = consecutive_start(ids)
+            if first is not None:
+                buf = self.cache[first : first + len(ids)]
+            else:
+                buf = gather_blocks(self.cache, self._ids(ids), out=self._staging(len(ids)))
+            await self.peer.send(self.tag(message), buf)
+        except (PeerLost, TransportError) as e:
+            self.abort(f"send failed: {e}")
+        finally:
+            self._inflight.release()
+
+    def checksums(self) -> list[int]:
+        """Per-block CRC-32 of the source blocks, to ship with KVDone for end-to-end verification."""
+        return block_checksums(self.cache, self.block_ids)
+
+    def acknowledged(self) -> None:
+        """The receiver confirmed it holds the data: release the source blocks and finish."""
+        if self.state is not SessionState.ACTIVE:
+            return
+        self._release_once()
+        self._end(SessionState.DONE)
+
+    async def _finish_abort(self) -> None:
+        for send in self._sends:
+            send.cancel()
+        await asyncio.gather(*self._sends, return_exceptions=True)
+        self._release_once()
+        self._end(SessionState.ABORTED)

@@ -1,0 +1,257 @@
+"""UCX backend on UCXX: tag-matched two-sided transfers, receiver-posted buffers.
+
+One `UcxTransport` per process (UCXX keeps one context per process): `start()` initialises UCXX with
+`UcxSettings` on the running event loop and listens; `close()` stops it. Bulk messages use the
+session tags verbatim (`force_tag`), so a receive posted on any endpoint matches by tag alone; the
+hello exchange uses the endpoint's private tags.
+
+Why the defaults are what they are is measured in docs/kvtransfer.md. In short: UCXX endpoints ask
+for peer error handling (needed to survive a peer's death), which rules out UCX's shared-memory
+transports unless `MM_ERROR_HANDLING=y`; without it every byte goes over TCP loopback.
+
+Cancelling one posted receive: UCX supports it (`ucp_request_cancel`) and UCXX implements it in
+`ucxx::Request::cancel()`, but the Python binding does not expose it, so `_cancel_request` calls the
+exported C++ method through ctypes. That needs requests submitted at once (no delayed submission).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from kvtransfer.errors import PeerLost, TransportError
+from kvtransfer.layout import KVLayout
+from kvtransfer.transport import Peer, PostedRecv, Transport, as_bytes
+
+log = structlog.get_logger(__name__)
+
+PROGRESS_MODES = ("thread", "thread-polling", "polling", "blocking")
+
+# Chosen by measurement (docs/kvtransfer.md, "UCX settings").
+DEFAULT_UCX_OPTIONS: dict[str, str] = {
+    "MM_ERROR_HANDLING": "y",
+    "RNDV_FRAG_MEM_TYPE": "host",
+}
+
+
+@dataclass(frozen=True)
+class UcxSettings:
+    """How UCXX runs in this process.
+
+    progress_mode: "thread" (a progress thread that sleeps in epoll until UCX has work: costs no
+    core while idle), "thread-polling" (that thread spins: lowest latency, one core busy), "polling"
+    (the asyncio loop spins), "blocking" (the asyncio loop wakes on UCX's fd).
+    options: UCX configuration (names without the `UCX_` prefix), applied over DEFAULT_UCX_OPTIONS.
+    """
+
+    progress_mode: str = "thread"
+    options: dict[str, str] = field(default_factory=dict)
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.progress_mode not in PROGRESS_MODES:
+            raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}")
+
+    def ucx_options(self) -> dict[str, str]:
+        return {**DEFAULT_UCX_OPTIONS, **self.options}
+
+
+def _ucx_array(buf: torch.Tensor) -> Any:
+    from ucxx._lib.arr import Array
+
+    flat = as_bytes(buf)
+    return Array(flat if flat.is_cuda else flat.numpy())
+
+
+class _UcxLib:
+    """ctypes handles on UCXX/UCP symbols the Python binding does not expose."""
+
+    def __init__(self) -> None:
+        import libucx
+        import libucxx
+
+        ucxx_so = os.path.join(os.path.dirname(libucxx.__file__), "lib64", "libucxx.so")
+        self.request_cancel = ctypes.CDLL(ucxx_so)._ZN4ucxx7Request6cancelEv
+        self.request_cancel.argtypes = [ctypes.c_void_p]
+        self.request_cancel.restype = None
+        ucp_so = os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0")
+        self.ep_print_info = ctypes.CDLL(ucp_so).ucp_ep_print_info
+        self.ep_print_info.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.libc = ctypes.CDLL(None)
+        self.libc.open_memstream.restype = ctypes.c_void_p
+        self.libc.fclose.argtypes = [ctypes.c_void_p]
+        self.libc.free.argtypes = [ctypes.c_void_p]
+
+    def endpoint_lanes(self, ucp_ep: int) -> str:
+        """The transports of each lane UCX selected for an endpoint, e.g. 'sysv/memory(am), tcp/lo(rma_bw)'."""
+        buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+        stream = self.libc.open_memstream(ctypes.byref(buf), ctypes.byref(size))
+        self.ep_print_info(ctypes.c_void_p(ucp_ep), ctypes.c_void_p(stream))
+        self.libc.fclose(stream)
+        text = ctypes.string_at(buf.value, size.value).decode(errors="replace") if buf.value else ""
+        self.libc.free(buf)
+        lanes = []
+        for line in text.splitlines():
+            m = re.search(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s.*?(?:seg \d+)?\s*([a-z_#0-9 ]*)$", line)
+            if m:
+                lanes.append(f"{m.group(1)}({m.group(2).strip() or '-'})")
+        return ", ".join(lanes) or "unknown"
+
+
+class UcxPostedRecv(PostedRecv):
+    def __init__(self, peer: UcxPeer, request: Any) -> None:
+        self._peer = peer
+        self._request = request
+        self._cancel_requested = False
+
+    def cancel(self) -> None:
+        if not self._cancel_requested:
+            self._cancel_requested = True
+            self._peer.lib.request_cancel(ctypes.c_void_p(self._request.ucxx_ptr))
+
+    async def wait(self) -> bool:
+        from ucxx.exceptions import UCXCanceledError, UCXError
+
+        try:
+            await self._request.wait()
+        except UCXCanceledError:
+            if self._cancel_requested:
+                return False
+            # Only our own cancel or the endpoint's close cancels a receive: the peer is gone.
+            raise PeerLost(self._peer.lost_reason or "endpoint closed") from None
+        except UCXError as e:
+            raise PeerLost(f"receive failed: {e}") from e
+        return True
+
+
+class UcxPeer(Peer):
+    """A UCXX endpoint to one remote worker; created by `UcxTransport` on connect or accept."""
+
+    def __init__(self, address: str, endpoint: Any, lib: _UcxLib, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(address)
+        self.endpoint = endpoint
+        self.lib = lib
+        self._transports = lib.endpoint_lanes(endpoint.ucp_endpoint)
+        # UCXX calls this from its progress thread when the endpoint fails (peer died, link broke).
+        endpoint.set_close_callback(self._on_close, cb_args=(loop,))
+
+    def _on_close(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not loop.is_closed():
+            loop.call_soon_threadsafe(self._mark_lost, "UCX endpoint closed or failed")
+
+    @property
+    def transports(self) -> str:
+        return f"ucx: {self._transports}"
+
+    def post_recv(self, tag: int, buf: torch.Tensor) -> UcxPostedRecv:
+        from ucxx.types import Tag, TagMaskFull
+
+        if self.lost:
+            raise PeerLost(self.lost_reason or "peer lost")
+        # The public `Endpoint.recv` hides the request object, which cancelling needs.
+        request = self.endpoint._ep.tag_recv(_ucx_array(buf), Tag(tag), TagMaskFull)
+        return UcxPostedRecv(self, request)
+
+    async def send(self, tag: int, buf: torch.Tensor) -> None:
+        from ucxx.exceptions import UCXError
+
+        if self.lost:
+            raise PeerLost(self.lost_reason or "peer lost")
+        try:
+            await self.endpoint.send(_ucx_array(buf), tag=tag, force_tag=True)
+        except UCXError as e:
+            raise PeerLost(f"send failed: {e}") from e
+
+    async def close(self) -> None:
+        await self.endpoint.close()
+        self._mark_lost("closed locally")
+
+
+class UcxTransport(Transport):
+    """The UCX backend. One per process; see the module docstring."""
+
+    backend = "ucx"
+
+    def __init__(self, layout: KVLayout, settings: UcxSettings | None = None) -> None:
+        super().__init__(layout)
+        self.settings = settings or UcxSettings()
+        self._listener: Any = None
+        self._lib: _UcxLib | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        import ucxx
+
+        thread = self.settings.progress_mode.startswith("thread")
+        ucxx.init(
+            options=self.settings.ucx_options(),
+            progress_mode=self.settings.progress_mode,
+            enable_delayed_submission=False,
+            enable_python_future=thread,
+        )
+        self._lib = _UcxLib()
+        self._loop = asyncio.get_running_loop()
+        self._listener = ucxx.create_listener(
+            self._on_accept, port=port, connect_timeout=self.settings.connect_timeout_s
+        )
+        self.address = f"{host}:{self._listener.port}"
+        log.info("kv transport listening", backend="ucx", address=self.address, settings=self.settings)
+        return self.address
+
+    async def _on_accept(self, endpoint: Any) -> None:
+        assert self._lib is not None and self._loop is not None
+        from ucxx.exceptions import UCXError
+
+        try:
+            address, ok, reply = self.check_hello(bytes(await endpoint.recv_obj()))
+            await endpoint.send_obj(reply)
+            if ok:
+                self._register_accepted(UcxPeer(address, endpoint, self._lib, self._loop))
+            else:
+                # Wait (bounded) for the peer to close after reading our refusal; it sends nothing.
+                await asyncio.wait_for(endpoint.recv_obj(), self.settings.connect_timeout_s)
+        except (UCXError, TimeoutError, ValueError) as e:  # a bad peer must not take the listener down
+            log.info("kv connection ended during hello", backend="ucx", error=repr(e))
+
+    async def _connect(self, address: str) -> Peer:
+        import ucxx
+        from ucxx.exceptions import UCXError
+
+        if self._lib is None or self._loop is None:
+            raise TransportError("transport not started")
+        host, port = address.rsplit(":", 1)
+        try:
+            endpoint = await ucxx.create_endpoint(
+                host, int(port), connect_timeout=self.settings.connect_timeout_s
+            )
+            await endpoint.send_obj(self.hello())
+            reply = bytes(await endpoint.recv_obj())
+        except (UCXError, TimeoutError, OSError) as e:
+            raise TransportError(f"cannot connect to {address}: {e}") from e
+        try:
+            self.check_reply(reply)
+        except TransportError:
+            await endpoint.close()
+            raise
+        peer = UcxPeer(address, endpoint, self._lib, self._loop)
+        log.info("kv peer connected", backend="ucx", peer=address, transports=peer.transports)
+        return peer
+
+    async def close(self) -> None:
+        import ucxx
+
+        for peer in list(self._peers.values()):
+            if not peer.lost:
+                await peer.close()
+        self._peers.clear()
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+            ucxx.stop_notifier_thread()

@@ -1,0 +1,229 @@
+"""A real prefill worker and a real decode worker (engines, sockets, KV transfer) against a scripted
+coordinator: output parity with the offline engine, release on every path, both pools clean after."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import pytest
+
+from engine.llm import LLM
+from engine.sampling_params import SamplingParams
+from engine.worker.process import Worker
+from splitserve import wire
+from splitserve.v1 import control_pb2, serving_pb2
+from tests.workers.conftest import WAIT_S, Cluster, ScriptedCoordinator, endpoint, execution_request
+
+LENGTH = serving_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.fixture(scope="module")
+def greedy(model_dir: object) -> Callable[[list[int], int], list[int]]:
+    """The offline engine's greedy continuation (itself checked against transformers elsewhere)."""
+    llm = LLM(model_dir, block_size=4, num_blocks=256)  # type: ignore[arg-type]
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[
+            0
+        ].token_ids
+
+    return run
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(5, 1000) for _ in range(n)]
+
+
+async def dispatch(
+    coord: ScriptedCoordinator,
+    p: Worker,
+    d: Worker,
+    req: control_pb2.ExecutionRequest,
+    *,
+    decode_first: bool = False,
+) -> None:
+    """What the coordinator does for one request: Prefill to P and Decode to D at once."""
+    prefill = ("prefill", {"request": req, "decode": endpoint(d)}, p.settings.worker_id)
+    decode = ("decode", {"request": req, "prefill": endpoint(p)}, d.settings.worker_id)
+    for kind, msg, to in (decode, prefill) if decode_first else (prefill, decode):
+        await coord.send(to, **{kind: msg})
+
+
+async def wait_until(cond: Callable[[], bool], what: str) -> None:
+    """Bounded wait for in-process worker state to reach `cond` (workers run in this event loop)."""
+    deadline = time.monotonic() + WAIT_S
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)  # poll interval of a bounded wait
+
+
+async def assert_quiescent(cluster: Cluster, *workers: Worker) -> None:
+    for w in workers:
+        assert w.role is not None
+        await wait_until(lambda w=w: not w.role.records, f"{w.settings.worker_id} to finish")  # type: ignore[union-attr]
+        await cluster.coordinator.assert_pool_clean(w.settings.worker_id)
+
+
+async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    p = await cluster.start("prefill", "p0", max_num_batched_tokens=16)  # chunked: several KV chunks
+    d = await cluster.start("decode", "d0")
+    coord, rng = cluster.coordinator, random.Random(3)
+    identity = p.engine.loaded.identity
+    prompts = {1: random_prompt(rng, 37), 2: random_prompt(rng, 5), 3: random_prompt(rng, 16)}
+    for rid, prompt in prompts.items():
+        await dispatch(coord, p, d, execution_request(rid, prompt, 8, identity=identity))
+    got = await coord.collect(set(prompts))
+    for rid, prompt in prompts.items():
+        assert got[rid] == (greedy(prompt, 8), LENGTH)
+    await assert_quiescent(cluster, p, d)
+
+    # the same prompt again: D's prefix cache already holds its full blocks, so P ships only the rest
+    assert d.role is not None
+    await dispatch(coord, p, d, execution_request(4, prompts[1], 6, identity=identity))
+    got = await coord.collect({4})
+    assert got[4] == (greedy(prompts[1], 6), LENGTH)
+    assert d.role.prefix_hit_tokens == 36
+    await assert_quiescent(cluster, p, d)
+
+
+async def test_reserved_before_prefill_and_reassign_to_another_decode_worker(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    p = await cluster.start("prefill", "p0")
+    d1 = await cluster.start("decode", "d1")
+    d2 = await cluster.start("decode", "d2")
+    coord = cluster.coordinator
+    prompt = random_prompt(random.Random(4), 21)
+    req = execution_request(9, prompt, 5, identity=p.engine.loaded.identity)
+    # P is told d1, but d2 reserves (as after d1's ReserveFailed); d2's Reserved may beat the Reassign
+    await coord.send("d2", decode={"request": req, "prefill": endpoint(p)})
+    await wait_until(lambda: 9 in p.role._early, "P to keep the early Reserved")  # type: ignore[union-attr]
+    await coord.send("p0", prefill={"request": req, "decode": endpoint(d1)})
+    await coord.send("p0", reassign=control_pb2.Reassign(rid=9, generation=1, decode=endpoint(d2)))
+    got = await coord.collect({9})
+    assert got[9] == (greedy(prompt, 5), LENGTH)
+    await assert_quiescent(cluster, p, d1, d2)
+
+
+async def test_abort_mid_decode_releases_everything(cluster: Cluster) -> None:
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0")
+    coord = cluster.coordinator
+    req = execution_request(5, random_prompt(random.Random(5), 12), 200, identity=p.engine.loaded.identity)
+    await dispatch(coord, p, d, req)
+    while True:  # wait until D streams decode tokens for it
+        _, env = await coord.expect("output")
+        if env.HasField("token_batch"):
+            break
+    abort = control_pb2.Abort(rid=5, generation=1, reason=control_pb2.ABORT_REASON_CLIENT_CANCELLED)
+    await coord.send("d0", abort=abort)
+    await coord.send("p0", abort=abort)
+    await assert_quiescent(cluster, p, d)
+    assert d.role is not None and not d.engine.has_unfinished()
+
+
+async def test_reserve_failed_when_the_decode_pool_is_short(cluster: Cluster) -> None:
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0", num_blocks=16)
+    coord, rng = cluster.coordinator, random.Random(6)
+    identity = p.engine.loaded.identity
+    # A reserves 10 of D's 16 blocks and waits for its KV (P never gets its Prefill)
+    await coord.send(
+        "d0",
+        decode={
+            "request": execution_request(1, random_prompt(rng, 40), 4, identity=identity),
+            "prefill": endpoint(p),
+        },
+    )
+    await coord.send(
+        "d0",
+        decode={
+            "request": execution_request(2, random_prompt(rng, 40), 4, identity=identity),
+            "prefill": endpoint(p),
+        },
+    )
+    _, env = await coord.expect("reserve_failed")
+    failed = env.reserve_failed
+    assert (failed.rid, failed.decode_worker_id, failed.needed_blocks, failed.available_blocks) == (
+        2,
+        "d0",
+        10,
+        6,
+    )
+    await coord.send("d0", abort=control_pb2.Abort(rid=1, generation=1))
+    await assert_quiescent(cluster, p, d)
+
+
+async def test_held_prefill_result_expires_its_lease(cluster: Cluster) -> None:
+    p = await cluster.start("prefill", "p0", lease_ms=200)
+    d = await cluster.start("decode", "d0")
+    coord = cluster.coordinator
+    req = execution_request(3, random_prompt(random.Random(7), 9), 4, identity=p.engine.loaded.identity)
+    await coord.send("p0", prefill={"request": req, "decode": endpoint(d)})  # D never reserves
+    _, env = await coord.expect("output")
+    assert env.prefill_done.output.rid == 3 and len(wire.unpack_ids(env.prefill_done.output.token_ids)) == 1
+    _, env = await coord.expect("abort")
+    assert (env.abort.rid, env.abort.reason) == (3, control_pb2.ABORT_REASON_LEASE_EXPIRED)
+    await assert_quiescent(cluster, p)
+
+
+async def test_preempted_request_resumes_through_prefill_with_identical_output(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0", num_blocks=12)  # 48 token slots for two 12 + 30 token requests
+    coord, rng = cluster.coordinator, random.Random(8)
+    identity = p.engine.loaded.identity
+    prompts = {1: random_prompt(rng, 12), 2: random_prompt(rng, 12)}
+    reqs = {rid: execution_request(rid, prompt, 30, identity=identity) for rid, prompt in prompts.items()}
+    for req in reqs.values():
+        await dispatch(coord, p, d, req)
+    tokens: dict[int, list[int]] = {1: [], 2: []}
+    done: set[int] = set()
+    refused: set[int] = set()
+    preempted = 0
+    while done != {1, 2}:
+        get_out = asyncio.ensure_future(coord.expect("output"))
+        get_refused = asyncio.ensure_future(coord.expect("reserve_failed"))
+        ready, pending = await asyncio.wait({get_out, get_refused}, return_when=asyncio.FIRST_COMPLETED)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task in ready:
+            _, env = task.result()
+            if env.HasField("reserve_failed"):  # D is full now: place it again once the other finishes
+                refused.add(env.reserve_failed.rid)
+            elif env.HasField("preempted"):
+                pre = env.preempted
+                preempted += 1
+                assert pre.num_output_tokens == len(tokens[pre.rid])
+                reqs[pre.rid] = execution_request(  # resume: prompt + everything streamed, next generation
+                    pre.rid,
+                    prompts[pre.rid],
+                    30,
+                    generation=reqs[pre.rid].generation + 1,
+                    output=tokens[pre.rid],
+                    identity=identity,
+                )
+                await dispatch(coord, p, d, reqs[pre.rid])
+            else:
+                items = [env.prefill_done.output] if env.HasField("prefill_done") else env.token_batch.items
+                for item in items:
+                    assert (
+                        item.offset == len(tokens[item.rid]) and item.generation == reqs[item.rid].generation
+                    )
+                    tokens[item.rid] += wire.unpack_ids(item.token_ids)
+                    if item.finish_reason:
+                        done.add(item.rid)
+                for rid in refused - done if done else ():
+                    await coord.send("d0", decode={"request": reqs[rid], "prefill": endpoint(p)})
+                    refused.discard(rid)
+    assert preempted > 0, "the pool never ran short"
+    for rid, prompt in prompts.items():
+        assert tokens[rid] == greedy(prompt, 30)
+    await assert_quiescent(cluster, p, d)
