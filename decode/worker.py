@@ -4,8 +4,10 @@ Decode with a prefill peer (disaggregated):
 
     Decode ──► reserve blocks for prompt + output, all or nothing (own prefix-cache hits first)
            ├─ short ──► ReserveFailed to the coordinator at once (nothing held)
-           └─ ok ─────► receives posted into exactly those blocks; Reserved to P; lease armed
-    KVChunkReady ──► receive of that chunk posted        KVDone ──► every chunk arrived?
+           └─ ok ─────► kvtransfer RecvSession posts receives into exactly those blocks, then
+                        Reserved to P; lease armed
+    KVChunkReady ──► counted (the receives are already posted)
+    KVDone ──► every announced chunk and every message landed?
            ├─ yes ──► joins the batch with token 1 as its next input (never recomputed); KVAck(ok)
            └─ no ───► KVAck(failed) to P, Abort(PEER_FAILED) to the coordinator, blocks released
     each step ──► one TokenBatch for every request that produced a token (offsets per request)
@@ -18,11 +20,12 @@ preemption re-prefills locally (the engine as is). Either way every record ends 
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import structlog
 
-from decode.receiving import KVReceiver
 from engine.kv_manager import cdiv
 from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
@@ -32,6 +35,8 @@ from engine.worker.role import RequestRecord, WorkerRole
 from engine.worker.runtime import ControlPlane
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
+from engine.worker.transfer import TransferPlane, session_key
+from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError
 from splitserve import wire
 from splitserve.control import Received
 from splitserve.v1 import control_pb2, serving_pb2
@@ -47,8 +52,11 @@ class DecodeRequest(RequestRecord):
 
     reserved_blocks: list[int] = field(default_factory=list)
     kv_start_token: int = 0
+    session: RecvSession | None = None
+    release_session: Callable[[list[int]], None] | None = None
     chunks: set[int] = field(default_factory=set)
-    kv_done: bool = False
+    first_chunk_at: float | None = None
+    kv_done: control_pb2.KVDone | None = None
     running: bool = False
     first_token_sent: bool = False
     kv_transfer_ms: float | None = None
@@ -64,10 +72,10 @@ class DecodeWorker(WorkerRole):
         stepper: StepLoop,
         control: ControlPlane,
         metrics: WorkerMetrics,
-        receiver: KVReceiver | None,
+        plane: TransferPlane | None,
     ) -> None:
         super().__init__(settings, engine, stepper, control, metrics)
-        self.receiver = receiver
+        self.plane = plane
         self.colocated = settings.role == "colocated"
         self.block_size = engine.pool.block_size
 
@@ -82,7 +90,7 @@ class DecodeWorker(WorkerRole):
         if not self.accepting:
             await self._reserve_failed(req, 0)  # draining: the coordinator places it elsewhere
             return
-        why = self.refusal(req) or (None if self.receiver or not remote else "this worker receives no KV")
+        why = self.refusal(req) or (None if self.plane or not remote else "this worker receives no KV")
         seq = None
         if why is None:
             try:
@@ -118,9 +126,20 @@ class DecodeWorker(WorkerRole):
         seq.block_table.extend(ids)
         r.reserved_blocks, r.kv_start_token = ids, hit
         self.track(r)
-        assert self.receiver is not None and r.peer is not None
-        await self.receiver.open(r)
         self.rearm_lease(r, "no KVDone within the lease")
+        assert self.plane is not None and r.peer is not None
+        try:
+            peer = await self.plane.peer(r.peer.transfer_address)
+        except TransportError as exc:
+            await self.fail(r, PEER_FAILED, f"no KV connection to the prefill worker: {exc}")
+            return
+        if not self.is_current(r):
+            return  # aborted while connecting
+        r.release_session = self.plane.hold(ids)
+        key = session_key(r.rid, r.generation)
+        r.session = RecvSession(peer, key, self.plane.cache, ids, r.release_session, self.plane.config)
+        r.session.start()  # receives posted before P can learn the block ids
+        self.spawn(self._receive, r, r.session)
         reserved = control_pb2.Reserved(
             rid=r.rid,
             generation=r.generation,
@@ -151,7 +170,7 @@ class DecodeWorker(WorkerRole):
     async def on_kv_chunk_ready(self, msg: Received) -> None:
         c = msg.envelope.kv_chunk_ready
         r: DecodeRequest | None = self.current(c.rid, c.generation, "kv_chunk_ready", msg.sender)
-        if r is None or r.running:
+        if r is None or r.kv_done is not None:
             return
         end = c.first_block + c.num_blocks
         if c.chunk_index in r.chunks or end > len(r.reserved_blocks) or c.num_blocks == 0:
@@ -160,44 +179,56 @@ class DecodeWorker(WorkerRole):
             )
             return
         r.chunks.add(c.chunk_index)
-        assert self.receiver is not None
-        await self.receiver.post(r, c.chunk_index, r.reserved_blocks[c.first_block : end])
+        if r.first_chunk_at is None:
+            r.first_chunk_at = time.monotonic()
 
     async def on_kv_done(self, msg: Received) -> None:
         k = msg.envelope.kv_done
         r: DecodeRequest | None = self.current(k.rid, k.generation, "kv_done", msg.sender)
-        if r is None or r.kv_done:
-            self.metrics.stale_messages.labels("kv_done").inc()
+        if r is None or r.kv_done is not None or r.session is None or r.peer is None:
             return
-        r.kv_done = True
-        self.rearm_lease(r, "receives not done within the lease")  # now it bounds the last receives
-        self.spawn(self._join, r, k)
-
-    async def _join(self, r: DecodeRequest, k: control_pb2.KVDone) -> None:
-        assert self.receiver is not None and r.peer is not None
-        error = await self.receiver.wait(r, k.num_chunks)  # protects an invariant: decode only on landed KV
-        if not self.is_current(r):
+        r.kv_done = k
+        if k.finish_reason != serving_pb2.FINISH_REASON_UNSPECIFIED:
+            # token 1 ended it (P reported it): nothing to generate; the receives are cancelled
+            await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
+            self._end(r, "finished")
             return
-        if error is None and k.num_tokens != r.num_kv_tokens:
+        error = None
+        if k.num_tokens != r.num_kv_tokens:
             error = f"KVDone covers {k.num_tokens} tokens, the sequence has {r.num_kv_tokens}"
-        if error is None and len(r.chunks) != k.num_chunks:
-            error = f"{len(r.chunks)} of {k.num_chunks} chunks announced"
-        await self.to_peer(
-            r.peer,
-            kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=error is None, error=error or ""),
-        )
+        elif len(r.chunks) != k.num_chunks:
+            error = f"KVDone counts {k.num_chunks} chunks, {len(r.chunks)} were announced"
         if error is not None:
+            ack = control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=False, error=error)
+            await self.to_peer(r.peer, kv_ack=ack)
             await self.fail(r, PEER_FAILED, error)
             return
-        self.receiver.close(r, ok=True)
-        self.rearm_lease(r, None)
-        if k.finish_reason != serving_pb2.FINISH_REASON_UNSPECIFIED:
-            self._end(r, "finished")  # token 1 ended it: P reported it, nothing to generate
+        self.rearm_lease(r, "KV not landed within the lease")  # now it bounds the last receives
+        r.session.mark_done(k.token_id)
+
+    async def _receive(self, r: DecodeRequest, session: RecvSession) -> None:
+        """Wait for the session's end: every message landed after KVDone (join the batch), or abort."""
+        try:
+            token = await session.wait()  # the transfer's end; bounded by the session's and our lease
+        except SessionAborted as exc:
+            if r.session is session:
+                await self.fail(r, PEER_FAILED, f"KV transfer failed: {exc.reason}")
             return
+        if not self.is_current(r) or r.peer is None or token is None:
+            return
+        assert r.release_session is not None and r.kv_done is not None
+        r.release_session(r.reserved_blocks)  # DONE never releases: the session's references go here
+        self.rearm_lease(r, None)
+        assert self.plane is not None
+        self.metrics.transfer_bytes.labels("recv").inc(len(r.reserved_blocks) * self.plane.block_bytes)
+        self.metrics.transfer_chunks.labels("recv").inc(len(r.chunks))
+        if r.first_chunk_at is not None:
+            self.metrics.transfer_seconds.labels("recv").observe(time.monotonic() - r.first_chunk_at)
+        await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
         seq = r.seq
         seq.num_computed_tokens = seq.num_tokens
-        seq.token_ids.append(k.token_id)
-        r.running, r.first_token_sent, r.kv_transfer_ms = True, True, k.kv_transfer_ms
+        seq.token_ids.append(token)
+        r.running, r.first_token_sent, r.kv_transfer_ms = True, True, r.kv_done.kv_transfer_ms
         self.engine.add_running(seq)
         self.stepper.wake()
 
@@ -243,8 +274,8 @@ class DecodeWorker(WorkerRole):
 
     def _release(self, rec: RequestRecord, outcome: str) -> None:
         assert isinstance(rec, DecodeRequest)
-        if rec.peer is not None and self.receiver is not None:
-            self.receiver.close(rec, ok=False, reason=outcome)
+        if rec.session is not None and rec.session.state is not SessionState.DONE:
+            rec.session.abort(outcome)  # its references go once every posted receive ended
         self.stepper.release(rec.seq)
 
     def peer_needs_abort(self, rec: RequestRecord) -> bool:

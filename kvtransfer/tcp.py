@@ -80,8 +80,7 @@ class TcpPeer(Peer):
     def transports(self) -> str:
         return "tcp"
 
-    async def _write(self, kind: int, tag: int, payload: torch.Tensor | None = None) -> None:
-        nbytes = 0 if payload is None else payload.numel() * payload.element_size()
+    async def _write(self, kind: int, tag: int, nbytes: int = 0, payload: torch.Tensor | None = None) -> None:
         async with self._write_lock:
             await self._loop.sock_sendall(self._sock, _HEADER.pack(kind, tag, nbytes))
             if payload is not None:
@@ -183,10 +182,11 @@ class TcpPeer(Peer):
     async def send(self, tag: int, buf: torch.Tensor) -> None:
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
+        nbytes = buf.numel() * buf.element_size()
         cleared: asyncio.Future[None] = self._loop.create_future()
         self._cts[tag] = cleared
         try:
-            await self._write(_RTS, tag, None)
+            await self._write(_RTS, tag, nbytes)
             await cleared
         except asyncio.CancelledError:
             self._cts.pop(tag, None)
@@ -197,7 +197,7 @@ class TcpPeer(Peer):
             raise PeerLost(str(e)) from e
         # Once cleared, the payload goes out whole even if our caller gives up: the stream's framing
         # depends on it, and the receiver's buffer is reserved for it.
-        write = asyncio.ensure_future(self._write(_DATA, tag, buf))
+        write = asyncio.ensure_future(self._write(_DATA, tag, nbytes, buf))
         try:
             await asyncio.shield(write)
         except OSError as e:

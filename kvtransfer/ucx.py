@@ -32,7 +32,7 @@ from kvtransfer.transport import Peer, PostedRecv, Transport, as_bytes
 
 log = structlog.get_logger(__name__)
 
-PROGRESS_MODES = ("thread", "thread-polling", "polling", "blocking")
+PROGRESS_MODES = ("hybrid", "thread", "thread-polling", "polling", "blocking")
 
 # Chosen by measurement (docs/kvtransfer.md, "UCX settings").
 DEFAULT_UCX_OPTIONS: dict[str, str] = {
@@ -45,14 +45,18 @@ DEFAULT_UCX_OPTIONS: dict[str, str] = {
 class UcxSettings:
     """How UCXX runs in this process.
 
-    progress_mode: "thread" (a progress thread that sleeps in epoll until UCX has work: costs no
-    core while idle), "thread-polling" (that thread spins: lowest latency, one core busy), "polling"
-    (the asyncio loop spins), "blocking" (the asyncio loop wakes on UCX's fd).
-    options: UCX configuration (names without the `UCX_` prefix), applied over DEFAULT_UCX_OPTIONS.
+    progress_mode: "hybrid" (UCXX's "thread" mode, plus the asyncio loop polling the worker while
+    any send or posted receive of ours is outstanding: polling speed during transfers, no core spent
+    while idle), or one of UCXX's modes: "thread" (a progress thread sleeping in epoll until UCX has
+    work), "thread-polling" (that thread spins: one core always busy), "polling" (the asyncio loop
+    spins, always), "blocking" (the asyncio loop wakes on UCX's fd).
+    options: UCX configuration (names without the `UCX_` prefix), applied over DEFAULT_UCX_OPTIONS,
+    or over nothing (UCX's and UCXX's stock configuration) when `tuned` is False.
     """
 
-    progress_mode: str = "thread"
+    progress_mode: str = "hybrid"
     options: dict[str, str] = field(default_factory=dict)
+    tuned: bool = True
     connect_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
@@ -60,7 +64,7 @@ class UcxSettings:
             raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}")
 
     def ucx_options(self) -> dict[str, str]:
-        return {**DEFAULT_UCX_OPTIONS, **self.options}
+        return {**(DEFAULT_UCX_OPTIONS if self.tuned else {}), **self.options}
 
 
 def _ucx_array(buf: torch.Tensor) -> Any:
@@ -99,10 +103,40 @@ class _UcxLib:
         self.libc.free(buf)
         lanes = []
         for line in text.splitlines():
-            m = re.search(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s.*?(?:seg \d+)?\s*([a-z_#0-9 ]*)$", line)
+            m = re.search(r"lane\[\d+\]:\s+\d+:(\S+?)\.\d+\s.*?\bseg \d+\s*(.*)$", line)
             if m:
                 lanes.append(f"{m.group(1)}({m.group(2).strip() or '-'})")
         return ", ".join(lanes) or "unknown"
+
+
+class _Spinner:
+    """Hybrid progress: polls the UCX worker from the event loop while operations are outstanding.
+
+    Wait (shrink): the loop spins only between the first `begin()` and the last `end()`, instead of
+    for the process's whole life as UCXX's "polling" mode does."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.outstanding = 0
+        self._task: asyncio.Task[None] | None = None
+
+    def begin(self) -> None:
+        self.outstanding += 1
+        if self.enabled and self._task is None:
+            self._task = asyncio.ensure_future(self._spin())
+
+    def end(self) -> None:
+        self.outstanding -= 1
+
+    async def _spin(self) -> None:
+        import ucxx
+
+        try:
+            while self.outstanding > 0:
+                ucxx.progress()
+                await asyncio.sleep(0)
+        finally:
+            self._task = None
 
 
 class UcxPostedRecv(PostedRecv):
@@ -110,6 +144,7 @@ class UcxPostedRecv(PostedRecv):
         self._peer = peer
         self._request = request
         self._cancel_requested = False
+        peer.spinner.begin()
 
     def cancel(self) -> None:
         if not self._cancel_requested:
@@ -128,16 +163,21 @@ class UcxPostedRecv(PostedRecv):
             raise PeerLost(self._peer.lost_reason or "endpoint closed") from None
         except UCXError as e:
             raise PeerLost(f"receive failed: {e}") from e
+        finally:
+            self._peer.spinner.end()
         return True
 
 
 class UcxPeer(Peer):
     """A UCXX endpoint to one remote worker; created by `UcxTransport` on connect or accept."""
 
-    def __init__(self, address: str, endpoint: Any, lib: _UcxLib, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(
+        self, address: str, endpoint: Any, lib: _UcxLib, loop: asyncio.AbstractEventLoop, spinner: _Spinner
+    ) -> None:
         super().__init__(address)
         self.endpoint = endpoint
         self.lib = lib
+        self.spinner = spinner
         self._transports = lib.endpoint_lanes(endpoint.ucp_endpoint)
         # UCXX calls this from its progress thread when the endpoint fails (peer died, link broke).
         endpoint.set_close_callback(self._on_close, cb_args=(loop,))
@@ -164,10 +204,13 @@ class UcxPeer(Peer):
 
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
+        self.spinner.begin()
         try:
             await self.endpoint.send(_ucx_array(buf), tag=tag, force_tag=True)
         except UCXError as e:
             raise PeerLost(f"send failed: {e}") from e
+        finally:
+            self.spinner.end()
 
     async def close(self) -> None:
         await self.endpoint.close()
@@ -185,16 +228,22 @@ class UcxTransport(Transport):
         self._listener: Any = None
         self._lib: _UcxLib | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._spinner = _Spinner(self.settings.progress_mode == "hybrid")
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        # UCXX exports UCX_MEMTYPE_CACHE, which this UCX no longer knows; keep stdout clean of that.
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         import ucxx
 
-        thread = self.settings.progress_mode.startswith("thread")
+        hybrid = self.settings.progress_mode == "hybrid"
+        mode = "thread" if hybrid else self.settings.progress_mode
         ucxx.init(
             options=self.settings.ucx_options(),
-            progress_mode=self.settings.progress_mode,
+            progress_mode=mode,
             enable_delayed_submission=False,
-            enable_python_future=thread,
+            # Python futures complete through a notifier thread that needs the GIL, which a spinning
+            # loop holds for a whole switch interval: hybrid checks completion on the loop instead.
+            enable_python_future=mode.startswith("thread") and not hybrid,
         )
         self._lib = _UcxLib()
         self._loop = asyncio.get_running_loop()
@@ -213,7 +262,7 @@ class UcxTransport(Transport):
             address, ok, reply = self.check_hello(bytes(await endpoint.recv_obj()))
             await endpoint.send_obj(reply)
             if ok:
-                self._register_accepted(UcxPeer(address, endpoint, self._lib, self._loop))
+                self._register_accepted(UcxPeer(address, endpoint, self._lib, self._loop, self._spinner))
             else:
                 # Wait (bounded) for the peer to close after reading our refusal; it sends nothing.
                 await asyncio.wait_for(endpoint.recv_obj(), self.settings.connect_timeout_s)
@@ -240,7 +289,7 @@ class UcxTransport(Transport):
         except TransportError:
             await endpoint.close()
             raise
-        peer = UcxPeer(address, endpoint, self._lib, self._loop)
+        peer = UcxPeer(address, endpoint, self._lib, self._loop, self._spinner)
         log.info("kv peer connected", backend="ucx", peer=address, transports=peer.transports)
         return peer
 

@@ -1,50 +1,48 @@
-"""One request on a prefill worker, and the plan of which KV blocks go to the decode worker next.
+"""One request on a prefill worker, and which part of its KV goes to the decode worker next.
 
-Block index map (P's block table vs D's reservation; `start` = Reserved.kv_start_token // block_size):
+Block index map (`start` = Reserved.kv_start_token // block_size; "logical" = the session's index):
 
     P seq.block_table:   [ 0 .. start-1 | start ........................ n_kv_blocks-1 ]
-                           D has these    sent in chunks, in order, each a run of whole blocks
+                           D has these    logical block 0 ................ n-start-1
     Reserved.block_ids:                 [ 0 .................................... n-start-1 ]
 
-A chunk covers the blocks that became full since the previous chunk; the last (possibly partial)
-block goes only once the prefill finished, so no block is read while a later forward still writes it.
+kvtransfer splits the logical blocks into messages from D's ids alone (kvtransfer.plan), so both
+sides agree without talking. P sends a message once all of its blocks are computed and final; each
+batch of messages sent together is one KVChunkReady ("chunk"). Blocks are final when the prefill
+finished, or, while the last chunk's forward runs, every block that chunk does not write.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 
 from engine.kv_manager import cdiv
 from engine.worker.role import RequestRecord
+from kvtransfer import SendSession
+from kvtransfer.plan import Message
 from splitserve import wire
 from splitserve.v1 import control_pb2, serving_pb2
-
-
-@dataclass(slots=True)
-class Chunk:
-    """One KV chunk to ship: P's source blocks and D's destination blocks, in sequence order."""
-
-    index: int
-    src_blocks: list[int]
-    dst_blocks: list[int]
-    first_block: int  # index into Reserved.block_ids
-    end_token: int
 
 
 @dataclass(slots=True, eq=False)
 class PrefillJob(RequestRecord):
     """Created by PrefillWorker.on_prefill, changed only by the worker, ended exactly once by the role's
-    `_end` (which releases `seq`'s blocks: freed, or kept findable by the prefix cache). `peer` is the
-    decode worker; `seq` is prompt + output (+ the first token once sampled), and its blocks stay held
-    after the prefill (the scheduler keeps them) until D acknowledges the KV or the job ends."""
+    `_end` (which ends its session and releases `seq`'s blocks: freed, or kept findable by the prefix
+    cache). `peer` is the decode worker. `seq` is prompt + output (+ the first token once sampled); its
+    blocks stay held after the prefill (the scheduler keeps them) until D acknowledges or the job ends.
+    """
 
     token: int | None = None
     sampled_at: float | None = None
     finish: int = serving_pb2.FINISH_REASON_UNSPECIFIED
     reserved: control_pb2.Reserved | None = None
-    next_block: int = 0
+    session: SendSession | None = None
+    shipping: asyncio.Task[None] | None = None
+    messages: list[Message] = field(default_factory=list)
+    sent_messages: int = 0
     chunks: int = 0
-    done_sent: bool = False
+    prefill_finished: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def decode(self) -> control_pb2.WorkerEndpoint:
@@ -55,9 +53,9 @@ class PrefillJob(RequestRecord):
     def prefilled(self) -> bool:
         return self.token is not None
 
-    def reserved_blocks(self) -> list[int]:
-        assert self.reserved is not None
-        return wire.unpack_ids(self.reserved.block_ids)
+    @property
+    def ends_at_first_token(self) -> bool:
+        return self.finish != serving_pb2.FINISH_REASON_UNSPECIFIED
 
     def check_reserved(self, reserved: control_pb2.Reserved, block_size: int) -> str | None:
         """Why `reserved` cannot hold this sequence's KV (None: it fits exactly)."""
@@ -71,38 +69,51 @@ class PrefillJob(RequestRecord):
             return f"Reserved has {got} blocks, the KV needs {want}"
         return None
 
-    def next_chunk(self, block_size: int) -> Chunk | None:
-        """The next run of blocks ready to ship, or None. Does not advance; see `posted`."""
-        if self.reserved is None or (self.prefilled and self.finish != serving_pb2.FINISH_REASON_UNSPECIFIED):
-            return None  # no destination yet, or token 1 ended the request: D needs no more KV
-        start = self.reserved.kv_start_token // block_size
-        first = max(self.next_block, start)
+    def start_block(self, block_size: int) -> int:
+        assert self.reserved is not None
+        return self.reserved.kv_start_token // block_size
+
+    def src_blocks(self, block_size: int) -> list[int]:
+        """P's blocks the session reads, in logical order (complete once the last chunk is scheduled)."""
+        return self.seq.block_table[self.start_block(block_size) : cdiv(self.num_kv_tokens, block_size)]
+
+    def dst_blocks(self) -> list[int]:
+        assert self.reserved is not None
+        return wire.unpack_ids(self.reserved.block_ids)
+
+    def final_blocks(self, block_size: int) -> int:
+        """Logical blocks whose KV is computed and will not be written again."""
         if self.prefilled:
-            end = cdiv(self.num_kv_tokens, block_size)
-        else:
-            end = min(self.seq.num_computed_tokens, self.num_kv_tokens) // block_size
-        if end <= first:
-            return None
-        dst = self.reserved_blocks()
-        return Chunk(
-            index=self.chunks,
-            src_blocks=self.seq.block_table[first:end],
-            dst_blocks=dst[first - start : end - start],
-            first_block=first - start,
-            end_token=min(end * block_size, self.num_kv_tokens),
+            return cdiv(self.num_kv_tokens, block_size) - self.start_block(block_size)
+        return max(
+            0,
+            min(self.seq.num_computed_tokens, self.num_kv_tokens) // block_size
+            - self.start_block(block_size),
         )
 
-    def posted(self, chunk: Chunk, block_size: int) -> None:
-        self.next_block = chunk.first_block + len(chunk.dst_blocks) + self.reserved_start(block_size)
+    def next_chunk(self, block_size: int, upto: int) -> control_pb2.KVChunkReady | None:
+        """The KVChunkReady for the messages that lie wholly below logical block `upto` and are not
+        sent yet (None: there are none). Advances the job's counters: call it right before sending."""
+        first = self.sent_messages
+        n = 0
+        while first + n < len(self.messages) and self.messages[first + n].stop <= upto:
+            n += 1
+        if n == 0:
+            return None
+        start, stop = self.messages[first].start, self.messages[first + n - 1].stop
+        chunk = control_pb2.KVChunkReady(
+            rid=self.rid,
+            generation=self.generation,
+            chunk_index=self.chunks,
+            first_block=start,
+            num_blocks=stop - start,
+            end_token=min((self.start_block(block_size) + stop) * block_size, self.num_kv_tokens),
+        )
+        self.sent_messages += n
         self.chunks += 1
+        return chunk
 
-    def reserved_start(self, block_size: int) -> int:
-        return 0 if self.reserved is None else self.reserved.kv_start_token // block_size
-
-    def all_posted(self, block_size: int) -> bool:
-        """Every chunk D needs is posted (or none is needed because token 1 ended the request)."""
-        if not self.prefilled or self.reserved is None:
-            return False
-        if self.finish != serving_pb2.FINISH_REASON_UNSPECIFIED:
-            return True
-        return max(self.next_block, self.reserved_start(block_size)) >= cdiv(self.num_kv_tokens, block_size)
+    def reset_transfer(self) -> None:
+        """Forget the destination (after a Reassign); the session was already ended by the caller."""
+        self.reserved, self.session, self.shipping = None, None, None
+        self.messages, self.sent_messages, self.chunks = [], 0, 0

@@ -3,9 +3,10 @@
 Per request (control.proto has the messages):
 
     Prefill ──► queued in the engine (token budget, chunked prefill across requests, prefix cache)
-      each step: blocks that became full ──► posted to D's reserved blocks (KVChunkReady per chunk)
-      first token sampled ──► PrefillDone to the coordinator at once
-      all sends completed ──► KVDone(token 1) to D ──► KVAck from D ──► blocks released (the prefix
+    last chunk scheduled + Reserved known ──► kvtransfer SendSession into D's reserved blocks; the
+      blocks already final are sent while the last chunk's forward runs (KVChunkReady per batch)
+    first token sampled ──► PrefillDone to the coordinator at once; the last blocks are sent
+    all sends delivered ──► KVDone(token 1) to D ──► KVAck from D ──► blocks released (the prefix
       cache keeps them findable)
 
 Reserved may come before Prefill (it is kept for its lease_ms). A finished prefill without a Reserved
@@ -21,6 +22,7 @@ import time
 import structlog
 
 from engine.llm_engine import LLMEngine
+from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, finish_reason, sampling_params
 from engine.worker.metrics import WorkerMetrics
@@ -28,8 +30,9 @@ from engine.worker.role import RequestRecord, WorkerRole
 from engine.worker.runtime import ControlPlane
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
+from engine.worker.transfer import TransferPlane, session_key
+from kvtransfer import SendSession, SessionAborted, TransportError
 from prefill.job import PrefillJob
-from prefill.shipping import KVShipper
 from splitserve import wire
 from splitserve.control import Received
 from splitserve.v1 import control_pb2
@@ -48,12 +51,12 @@ class PrefillWorker(WorkerRole):
         stepper: StepLoop,
         control: ControlPlane,
         metrics: WorkerMetrics,
-        shipper: KVShipper,
+        plane: TransferPlane,
     ) -> None:
         super().__init__(settings, engine, stepper, control, metrics)
         engine.scheduler.keep_blocks_on_finish = True  # the KV outlives the prefill: it is shipped
         engine.scheduler.prefill_only = True
-        self.shipper = shipper
+        self.plane = plane
         self.block_size = engine.pool.block_size
         self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
 
@@ -80,11 +83,11 @@ class PrefillWorker(WorkerRole):
             return
         job = PrefillJob(req, seq, p.decode, log.bind(rid=req.rid, request_id=req.request_id))
         self.track(job)
-        early = self._early.pop(req.rid, None)
-        if early is not None:
+        early = self._early.get(req.rid)
+        if early is not None and early[1].generation == req.generation and early[0] == job.decode.worker_id:
+            del self._early[req.rid]
             early[2].cancel()
-            if early[1].generation == req.generation and early[0] == job.decode.worker_id:
-                await self._attach(job, early[1])
+            await self._attach(job, early[1])
         self.stepper.wake()
 
     async def on_reassign(self, msg: Received) -> None:
@@ -93,8 +96,8 @@ class PrefillWorker(WorkerRole):
         if job is None:
             return
         if job.reserved is not None:  # the KV was going to the old decode worker: start over
-            self.shipper.close(job, ok=False, reason="reassigned")
-            job.reserved, job.next_block, job.chunks, job.done_sent = None, 0, 0, False
+            self._stop_shipping(job, "reassigned")
+            job.reset_transfer()
         job.peer = r.decode
         job.log.info("decode worker reassigned", decode=r.decode.worker_id)
         self.rearm_lease(job, None)
@@ -143,7 +146,14 @@ class PrefillWorker(WorkerRole):
     # --- engine -------------------------------------------------------------------------------------
 
     async def on_preempted(self, seqs: list[Sequence]) -> None:
-        """The scheduler re-queues them; blocks already posted stay held by their transfer."""
+        """The scheduler re-queues them (no session exists before the last chunk is scheduled)."""
+
+    def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
+        """Before the forward: a job whose last chunk runs now starts shipping its final blocks."""
+        for item in scheduled:
+            job = self.of_seq(item.seq)
+            if job is not None and item.samples and job.reserved is not None and job.shipping is None:
+                job.shipping = asyncio.ensure_future(self._ship(job))
 
     async def on_step(self, report: StepReport) -> None:
         self.note_started(report)
@@ -153,13 +163,12 @@ class PrefillWorker(WorkerRole):
                 continue  # ended during the step
             job.token, job.sampled_at = out.new_token_ids[0], time.monotonic()
             job.finish = finish_reason(job.seq, self.eos_token_ids)
+            job.prefill_finished.set()
             await self.send_prefill_done(job, out)
             if job.reserved is None:  # a held result: wait for Reserved under a lease
                 self.rearm_lease(job, "no Reserved within the lease")
-        for item in report.out.scheduled:
-            job = self.of_seq(item.seq)
-            if job is not None:
-                await self._pump(job)
+            elif job.shipping is None:  # Reserved came during the last step
+                job.shipping = asyncio.ensure_future(self._ship(job))
 
     # --- shipping -----------------------------------------------------------------------------------
 
@@ -170,41 +179,31 @@ class PrefillWorker(WorkerRole):
             return
         job.reserved = r
         self.rearm_lease(job, None)
-        await self.shipper.open(job)
-        await self._pump(job)
+        if job.prefilled:  # otherwise shipping starts when the last chunk is scheduled
+            job.shipping = asyncio.ensure_future(self._ship(job))
 
-    async def _pump(self, job: PrefillJob) -> None:
-        """Post every chunk that is ready; once all are posted, finish the transfer in the background."""
-        if job.reserved is None or job.done_sent:
-            return
-        while (chunk := job.next_chunk(self.block_size)) is not None:
-            await self.shipper.post(job, chunk)
-            job.posted(chunk, self.block_size)
-            ready = control_pb2.KVChunkReady(
-                rid=job.rid,
-                generation=job.generation,
-                chunk_index=chunk.index,
-                first_block=chunk.first_block,
-                num_blocks=len(chunk.dst_blocks),
-                end_token=chunk.end_token,
+    async def _ship(self, job: PrefillJob) -> None:
+        """The job's whole transfer: session, sends (KVChunkReady before each batch), KVDone. Runs as a
+        task that `_stop_shipping` cancels when the job ends first."""
+        try:
+            peer = await self.plane.peer(job.decode.transfer_address)
+            src, dst = job.src_blocks(self.block_size), job.dst_blocks()
+            key = session_key(job.rid, job.generation)
+            session = SendSession(
+                peer, key, self.plane.cache, src, dst, self.plane.hold(src), self.plane.config
             )
-            if not await self.to_peer(job.decode, kv_chunk_ready=ready):
-                await self.fail(job, PEER_FAILED, "decode worker not reading")
-                return
-        if job.all_posted(self.block_size):
-            job.done_sent = True
-            self.rearm_lease(job, "sends not done within the lease")
-            self.spawn(self._complete, job)
-
-    async def _complete(self, job: PrefillJob) -> None:
-        """Wait for every posted send, then KVDone to D, then wait (under a lease) for its KVAck."""
-        reserved = job.reserved
-        error = await self.shipper.flush(job)  # protects an invariant: KVDone means every byte landed
-        if not self.is_current(job) or job.reserved is not reserved:
-            return  # ended, or reassigned to another decode worker meanwhile
-        if error is not None:
-            await self.fail(job, PEER_FAILED, error)
+            job.session, job.messages = session, session.messages
+            started = time.monotonic()
+            if not job.prefilled:  # overlap: what is final now goes while the last chunk's forward runs
+                await self._send(job, session, job.final_blocks(self.block_size))
+                await job.prefill_finished.wait()  # protects an invariant: the last blocks are written
+            if not job.ends_at_first_token:  # else D needs no more KV
+                await self._send(job, session, len(src))
+        except (TransportError, SessionAborted) as exc:
+            await self.fail(job, PEER_FAILED, f"KV transfer failed: {exc}")
             return
+        self.metrics.transfer_bytes.labels("send").inc(len(src) * self.plane.block_bytes)
+        self.metrics.transfer_seconds.labels("send").observe(time.monotonic() - started)
         assert job.token is not None and job.sampled_at is not None
         done = control_pb2.KVDone(
             rid=job.rid,
@@ -220,6 +219,25 @@ class PrefillWorker(WorkerRole):
             return
         self.rearm_lease(job, "no KVAck within the lease")
 
+    async def _send(self, job: PrefillJob, session: SendSession, upto: int) -> None:
+        """Announce, then send, every message below logical block `upto` (returns once delivered)."""
+        chunk = job.next_chunk(self.block_size, upto)
+        if chunk is None:
+            return
+        if not await self.to_peer(job.decode, kv_chunk_ready=chunk):
+            raise TransportError("decode worker not reading its control socket")
+        self.metrics.transfer_chunks.labels("send").inc()
+        await session.send(upto)  # waits for delivery; an abort ends it with SessionAborted
+
+    def _stop_shipping(self, job: PrefillJob, outcome: str) -> None:
+        if job.shipping is not None and job.shipping is not asyncio.current_task():
+            job.shipping.cancel()
+        if job.session is not None:
+            if outcome == "shipped":
+                job.session.acknowledged()  # releases the session's references on the sent blocks
+            else:
+                job.session.abort(outcome)  # releases them once no send can still read them
+
     # --- ending -------------------------------------------------------------------------------------
 
     def _stash(self, sender: str, r: control_pb2.Reserved) -> None:
@@ -232,8 +250,7 @@ class PrefillWorker(WorkerRole):
 
     def _release(self, rec: RequestRecord, outcome: str) -> None:
         assert isinstance(rec, PrefillJob)
-        if rec.reserved is not None:
-            self.shipper.close(rec, ok=outcome == "shipped", reason=outcome)
+        self._stop_shipping(rec, outcome)
         self.stepper.release(rec.seq)  # freed, or kept findable by the prefix cache
 
     def peer_needs_abort(self, rec: RequestRecord) -> bool:

@@ -58,6 +58,12 @@ class WorkerMetrics:
             buckets=_TRANSFER_BUCKETS,
             registry=r,
         )
+        self.transfer_chunks = Counter(
+            "splitserve_worker_kv_transfer_chunks",
+            "KV chunks (KVChunkReady) moved, by direction",
+            ["direction"],
+            registry=r,
+        )
         self.requests = Counter(
             "splitserve_worker_requests", "Requests that ended here, by outcome", ["outcome"], registry=r
         )

@@ -25,8 +25,8 @@ from engine.worker.role import WorkerRole
 from engine.worker.runtime import ControlPlane, RegistrationError
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
-from engine.worker.transfer import TransferPlane
-from splitserve.v1 import control_pb2
+from engine.worker.transfer import TransferPlane, kv_layout_proto
+from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -49,23 +49,27 @@ class Worker:
         self.control: ControlPlane | None = None
         self.role: WorkerRole | None = None
         self._step_task: asyncio.Task[None] | None = None
+        self._closed = False
 
     async def start(self) -> dict[str, Any]:
         """Bring every part up and register; returns the readiness line's fields."""
         s = self.settings
         if s.role != "colocated":
-            self.transfer = await TransferPlane.listen(s, self.engine)
+            self.transfer = await TransferPlane.listen(s, self.engine, self.metrics)
+            self.transfer.on_release = self.stepper.wake  # freed blocks may let waiting work run
         self.health = HealthServer(s.advertise_host, s.metrics_port, self.metrics, self._ready)
         self.control = ControlPlane(
             s,
             self.engine.pool,
-            TransferPlane.kv_layout(self.engine),
+            kv_layout_proto(self.engine),
             self.engine.loaded.identity,
             self.engine.max_model_len,
             self.transfer.address if self.transfer else "",
             self.metrics,
             self.health,
         )
+        if self.transfer is not None:
+            self.control.on_peers = self._preconnect
         await self.control.register()
         self.role = self._make_role(self.control)
         self.control.start(self.role)
@@ -84,10 +88,15 @@ class Worker:
             from prefill.worker import PrefillWorker
 
             assert self.transfer is not None
-            return PrefillWorker(*args, self.transfer.shipper(self.metrics))
+            return PrefillWorker(*args, self.transfer)
         from decode.worker import DecodeWorker
 
-        return DecodeWorker(*args, self.transfer.receiver(self.metrics) if self.transfer else None)
+        return DecodeWorker(*args, self.transfer)
+
+    def _preconnect(self, peers: list[control_pb2.Peer]) -> None:
+        assert self.transfer is not None
+        prefill = serving_pb2.WORKER_ROLE_PREFILL
+        self.transfer.preconnect(p.endpoint.transfer_address for p in peers if p.role == prefill)
 
     def _ready(self) -> bool:
         return self.control is not None and self.control.registered and not self.control.draining
@@ -120,7 +129,10 @@ class Worker:
         await self.close()
 
     async def close(self) -> None:
-        """Stop everything this worker started (safe after a failed start)."""
+        """Stop everything this worker started (safe after a failed start, and idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self.stepper.stop()
         if self._step_task is not None:
             await asyncio.gather(self._step_task, return_exceptions=True)

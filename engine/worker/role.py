@@ -18,6 +18,7 @@ from typing import Any, TypeAlias
 import structlog
 
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.worker.convert import finish_reason, tokens_message
 from engine.worker.metrics import WorkerMetrics
@@ -178,6 +179,9 @@ class WorkerRole:
     async def on_abort(self, msg: Received) -> None:
         a = msg.envelope.abort
         rec = self.records.get(a.rid)
+        if rec is not None and msg.sender and (rec.peer is None or rec.peer.worker_id != msg.sender):
+            self.metrics.stale_messages.labels("abort").inc()  # from a worker that is not its peer (now)
+            return
         if rec is not None and rec.generation <= a.generation:
             rec.log.info(
                 "aborted", reason=control_pb2.AbortReason.Name(a.reason), by=msg.sender or "coordinator"
@@ -188,6 +192,9 @@ class WorkerRole:
         for rec in list(self.records.values()):
             if rec.peer is not None and rec.peer.worker_id in worker_ids and self.peer_needs_abort(rec):
                 await self.fail(rec, control_pb2.ABORT_REASON_PEER_FAILED, f"peer {rec.peer.worker_id} left")
+
+    def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
+        """Called before each forward (overridden by the prefill role to start shipping)."""
 
     async def on_step_failed(self, seqs: list[Sequence], error: BaseException) -> None:
         for seq in seqs:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 from typing import Protocol
 
 import structlog
@@ -26,7 +27,7 @@ from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
-_FLUSH_LINGER_MS = 2000
+_FLUSH_LINGER_MS = 1000
 
 ROLE_PROTO = {
     "prefill": serving_pb2.WORKER_ROLE_PREFILL,
@@ -102,6 +103,7 @@ class ControlPlane:
         self.coordinator = ControlSocket.dealer(self.ctx, settings.coordinator_address, settings.worker_id)
         self.links = PeerLinks(self.ctx, settings.worker_id, kv_layout.hash)
         self.role: RoleHandler | None = None
+        self.on_peers: Callable[[list[control_pb2.Peer]], None] = lambda peers: None
         self.registered = False
         self.draining = False
         self.heartbeat_interval_s = 0.5
@@ -152,6 +154,7 @@ class ControlPlane:
         if ack.heartbeat_interval_ms:
             self.heartbeat_interval_s = ack.heartbeat_interval_ms / 1e3
         self.links.update(ack.peers)
+        self.on_peers(list(ack.peers))
         self.registered = True
         log.info("registered", coordinator=s.coordinator, peers=len(ack.peers))
         return ack
@@ -201,6 +204,7 @@ class ControlPlane:
         env = msg.envelope
         if msg.kind == "peers":
             lost = self.links.update(env.peers.peers)
+            self.on_peers(list(env.peers.peers))
             if lost:
                 await self.role.on_peers_lost(lost)
         elif msg.kind == "pool_state_query":

@@ -35,6 +35,8 @@ class WorkerSettings:
     drain_timeout_s: float = 30.0
     lease_ms: int = 10_000
     register_timeout_s: float = 120.0
+    kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
+    kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -83,6 +85,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
     a("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
     a("--register-timeout", type=float, default=120.0, help="seconds to wait for the coordinator's ack")
     a("--debug-integrity", action="store_true", help="run check_integrity() after every step")
+    a("--kv-message-bytes", type=int, default=64 << 20, help="largest KV transfer message (same on P and D)")
+    a("--kv-direct-bytes", type=int, default=256 << 10, help="shortest block run sent without packing")
     if with_mode:
         a("--mode", choices=("decode", "colocated"), default="decode", help="colocated: prefill here too")
 
@@ -115,4 +119,6 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         drain_timeout_s=args.drain_timeout,
         lease_ms=args.lease_ms,
         register_timeout_s=args.register_timeout,
+        kv_message_bytes=args.kv_message_bytes,
+        kv_direct_bytes=args.kv_direct_bytes,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Protocol
@@ -21,7 +22,7 @@ from typing import Protocol
 import structlog
 
 from engine.llm_engine import LLMEngine, StepOutput
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.worker.metrics import WorkerMetrics
 
@@ -43,6 +44,8 @@ class StepHandler(Protocol):
     """The role (prefill, decode) reacting to the engine; every method runs on the event loop."""
 
     async def on_preempted(self, seqs: list[Sequence]) -> None: ...
+
+    def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None: ...
 
     async def on_step(self, report: StepReport) -> None: ...
 
@@ -97,7 +100,7 @@ class StepLoop:
                     continue
                 out = self.engine.schedule()
                 if out.preempted:
-                    await self.handler.on_preempted(out.preempted)
+                    await self._notify(self.handler.on_preempted(out.preempted))
                 if not out.scheduled:
                     # protects the pool: nothing fits until a release (held results, reservations) wakes us
                     await self._wake.wait()
@@ -109,6 +112,7 @@ class StepLoop:
     async def _step(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput) -> None:
         assert self.handler is not None
         self._in_flight = {item.seq for item in out.scheduled}
+        self.handler.on_scheduled(out.scheduled)
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive
@@ -122,7 +126,14 @@ class StepLoop:
         outputs = self.engine.finish_step(out, result)
         self._end_step()
         self._account(out, seconds)
-        await self.handler.on_step(StepReport(out, outputs, seconds))
+        await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
+
+    async def _notify(self, call: Awaitable[None]) -> None:
+        """Run a handler callback; its bug is logged, not fatal: the engine's state is already whole."""
+        try:
+            await call
+        except Exception:
+            log.exception("step handler failed")
 
     def _end_step(self) -> None:
         self._in_flight = set()

@@ -1,52 +1,155 @@
-"""The worker's side of the bulk data plane: kvtransfer's listener over this worker's KV cache tensor.
+"""The worker's side of the bulk data plane: kvtransfer's transport over this worker's KV cache.
 
-kvtransfer owns the transport (UCX or TCP), the layout descriptor and the transfer sessions; this module
-only creates them for a worker and hands the prefill role a shipper and the decode role a receiver.
+kvtransfer owns the transport (UCX or TCP), the layout descriptor and the transfer sessions; this
+module creates them for a worker: one listener, one cached `kvtransfer.Peer` per peer worker (connected
+when the peer appears, reused by every request), and the block references a session holds.
+
+Block ownership during a transfer: a session holds its OWN reference on each block it reads or writes
+(`hold`), dropped by kvtransfer's exactly-once release callback once no byte can move any more. So the
+request's owner (engine sequence, reservation) frees its references whenever it ends, and a block is
+reusable only when both are gone: no byte ever lands in (or is read from) a block someone else holds.
 """
 
 from __future__ import annotations
 
-import hashlib
+import asyncio
+import time
+from collections.abc import Callable, Iterable
+
+import structlog
 
 from engine.llm_engine import LLMEngine
 from engine.worker.metrics import WorkerMetrics
 from engine.worker.settings import WorkerSettings
+from kvtransfer import KVLayout, Peer, SessionConfig, SessionKey, Transport, TransportError, create_transport
 from splitserve.v1 import control_pb2
+
+log = structlog.get_logger(__name__)
+
+_ACCEPT_WAIT_S = 5.0
+_ACCEPT_POLL_S = 0.005
+
+
+def kv_layout(engine: LLMEngine) -> KVLayout:
+    """kvtransfer's descriptor of this engine's KV cache tensor."""
+    cache = engine.runner.kv_cache
+    _, num_layers, _, block_size, num_kv_heads, head_dim = cache.shape
+    return KVLayout(
+        dtype=str(cache.dtype).removeprefix("torch."),
+        num_layers=num_layers,
+        block_size=block_size,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        model_identity=engine.loaded.identity,
+    )
+
+
+def kv_layout_proto(engine: LLMEngine) -> control_pb2.KvLayout:
+    """The layout as Register carries it; `hash` is kvtransfer's digest (what peers compare)."""
+    layout = kv_layout(engine)
+    return control_pb2.KvLayout(
+        dtype=layout.dtype,
+        num_layers=layout.num_layers,
+        block_size=layout.block_size,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        order="block_major",
+        hash=layout.digest(),
+    )
+
+
+def session_key(rid: int, generation: int) -> SessionKey:
+    """Both sides derive the session's tags from this key, so it must be computed identically."""
+    return SessionKey(str(rid), generation)
 
 
 class TransferPlane:
-    """Created by the worker before it registers (its address goes into Register); closed last."""
+    """Created (listening) by the worker before it registers, since Register carries its address;
+    closed last. Event-loop only."""
 
-    def __init__(self, settings: WorkerSettings, engine: LLMEngine, address: str) -> None:
-        self.settings = settings
+    def __init__(
+        self, settings: WorkerSettings, engine: LLMEngine, transport: Transport, metrics: WorkerMetrics
+    ) -> None:
         self.engine = engine
-        self.address = address
+        self.transport = transport
+        self.metrics = metrics
+        self.address = transport.address
+        self.cache = engine.runner.kv_cache
+        self.block_bytes = self.cache[0].numel() * self.cache.element_size()
+        self.config = SessionConfig(
+            lease_s=settings.lease_ms / 1e3,
+            max_message_bytes=settings.kv_message_bytes,
+            min_direct_bytes=settings.kv_direct_bytes,
+        )
+        self.initiates = settings.role == "decode"
+        self.on_release: Callable[[], None] = lambda: None
+        self._connecting: dict[str, asyncio.Task[Peer]] = {}
 
     @classmethod
-    async def listen(cls, settings: WorkerSettings, engine: LLMEngine) -> TransferPlane:
-        raise NotImplementedError("waiting for kvtransfer's transport API")
+    async def listen(
+        cls, settings: WorkerSettings, engine: LLMEngine, metrics: WorkerMetrics
+    ) -> TransferPlane:
+        transport = create_transport(settings.transfer_backend, kv_layout(engine))
+        await transport.start(settings.advertise_host, settings.transfer_port)
+        return cls(settings, engine, transport, metrics)
 
-    @staticmethod
-    def kv_layout(engine: LLMEngine) -> control_pb2.KvLayout:
-        cache = engine.runner.kv_cache
-        _, num_layers, _, block_size, num_kv_heads, head_dim = cache.shape
-        layout = control_pb2.KvLayout(
-            dtype=str(cache.dtype).removeprefix("torch."),
-            num_layers=num_layers,
-            block_size=block_size,
-            num_kv_heads=num_kv_heads,
-            head_dim=head_dim,
-            order="block_major",
-        )
-        text = f"{layout.SerializeToString(deterministic=True).hex()}:{engine.loaded.identity}"
-        layout.hash = hashlib.sha256(text.encode()).hexdigest()
-        return layout
+    async def peer(self, address: str) -> Peer:
+        """The one kvtransfer peer shared with the worker at `address`; raises TransportError.
 
-    def shipper(self, metrics: WorkerMetrics) -> object:
-        raise NotImplementedError
+        One connection per pair, opened by the decode side (which needs it first: it posts its
+        receives before it sends Reserved). The prefill side only uses the connection it accepted,
+        which is registered by the time D's Reserved arrives, give or take the accept handler's last
+        step; that is the one short bounded wait here.
+        """
+        if not self.initiates:
+            return await self._accepted(address)
+        cached = self.transport.peer(address)
+        if cached is not None and not cached.lost:
+            return cached
+        task = self._connecting.get(address)
+        if task is None:  # one connect per address, however many requests wait for it
+            task = asyncio.ensure_future(self.transport.connect(address))
+            self._connecting[address] = task
+            task.add_done_callback(lambda _: self._connecting.pop(address, None))
+        return await asyncio.shield(task)
 
-    def receiver(self, metrics: WorkerMetrics) -> object:
-        raise NotImplementedError
+    async def _accepted(self, address: str) -> Peer:
+        deadline = time.monotonic() + _ACCEPT_WAIT_S
+        while True:
+            peer = self.transport.peer(address)
+            if peer is not None and not peer.lost:
+                return peer
+            if time.monotonic() > deadline:
+                raise TransportError(f"the decode worker at {address} has no KV connection to this worker")
+            # shrinkable: an "accepted" event from kvtransfer would replace this poll
+            await asyncio.sleep(_ACCEPT_POLL_S)
+
+    def preconnect(self, addresses: Iterable[str]) -> None:
+        """Decode side: connect to new prefill peers now (at registration, not per request)."""
+        if not self.initiates:
+            return
+        for address in addresses:
+            if address and self.transport.peer(address) is None:
+                task = asyncio.ensure_future(self.peer(address))
+                task.add_done_callback(_log_connect_failure)
+
+    def hold(self, block_ids: list[int]) -> Callable[[list[int]], None]:
+        """Take a session's reference on `block_ids`; returns the release callback that drops it."""
+        pool = self.engine.pool
+        pool.touch(block_ids)
+
+        def release(ids: list[int]) -> None:
+            pool.free(ids)
+            self.on_release()
+
+        return release
 
     async def close(self) -> None:
-        return None
+        for task in self._connecting.values():
+            task.cancel()
+        await self.transport.close()
+
+
+def _log_connect_failure(task: asyncio.Task[Peer]) -> None:
+    if not task.cancelled() and isinstance(task.exception(), TransportError):
+        log.warning("kv peer connect failed", error=str(task.exception()))

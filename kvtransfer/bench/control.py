@@ -15,7 +15,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 import zmq
 import zmq.asyncio
@@ -84,19 +84,20 @@ class SpawnedAgent:
         self.process.wait()
 
 
-def spawn_agent(args: Sequence[str], env: dict[str, str] | None = None, timeout: float = 60.0) -> SpawnedAgent:
-    """Start `python -m kvtransfer.bench.agent ARGS` and wait for its ready line on stdout."""
+def spawn_agent(args: Sequence[str], log: IO[str] | None = None, timeout: float = 60.0) -> SpawnedAgent:
+    """Start `python -m kvtransfer.bench.agent ARGS` and wait for its ready line on stdout.
+
+    The agent's logs (stderr) go to `log`, or to our stderr."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.bench.agent", *args],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
+        [sys.executable, "-m", "kvtransfer.bench.agent", *args], stdout=subprocess.PIPE, stderr=log, text=True
     )
     assert process.stdout is not None
-    # Wait (protects an invariant): nobody may talk to the agent before it listens.
-    line = process.stdout.readline()
-    if not line.startswith(READY_PREFIX):
-        process.kill()
-        process.wait(timeout)
-        raise RuntimeError(f"agent failed to start (exit code {process.returncode}): {line!r}")
-    return SpawnedAgent(process, json.loads(line[len(READY_PREFIX) :]))
+    # Wait (protects an invariant): nobody may talk to the agent before it listens. Libraries may
+    # print before the ready line; EOF means the agent died.
+    seen = []
+    for line in process.stdout:
+        if line.startswith(READY_PREFIX):
+            return SpawnedAgent(process, json.loads(line[len(READY_PREFIX) :]))
+        seen.append(line)
+    process.wait(timeout)
+    raise RuntimeError(f"agent failed to start (exit code {process.returncode}): {''.join(seen[-5:])!r}")

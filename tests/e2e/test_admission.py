@@ -111,10 +111,13 @@ async def test_duplicate_in_flight_request_id_is_already_exists(cluster: LocalCl
         first = client.generate(
             "Long one", request_id="dup-1", max_tokens=200, ignore_eos=True, temperature=0.0
         )
-        await first.__anext__()  # the first request is admitted and streaming
+        assert (await first.read()).WhichOneof("event") == "delta"  # admitted and streaming
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client.complete("Second", request_id="dup-1", max_tokens=4)
         assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
-        rest = [e async for e in first]
-        assert rest[-1].WhichOneof("event") == "finished"
+        assert "dup-1" in (caught.value.details() or "")
+        last = None
+        while (event := await first.read()) is not grpc.aio.EOF:
+            last = event
+        assert last is not None and last.WhichOneof("event") == "finished"
         assert_pools_clean(await wait_quiescent(client))

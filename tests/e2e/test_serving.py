@@ -62,8 +62,8 @@ async def test_chat_matches_transformers_greedy_on_the_templated_prompt(
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": "Why is my device blinking amber?"},
     ]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)  # the template writes <|bos|> itself
     async with client_for(cluster) as client:
         got = await client.complete_chat(messages, max_tokens=20, temperature=0.0)
         assert got.token_ids == hf_greedy(ids, 20)

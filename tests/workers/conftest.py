@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -107,8 +108,16 @@ class ScriptedCoordinator:
                 return env.pool_state_reply
 
     async def assert_pool_clean(self, worker_id: str) -> control_pb2.PoolStateReply:
-        """Integrity holds and no block is held (free or kept by the prefix cache only)."""
+        """Integrity holds and no block is held (free or kept by the prefix cache only).
+
+        Releases finish asynchronously (after the in-flight step, after a session's receives end), so
+        this polls under a deadline rather than asserting the first answer.
+        """
+        deadline = time.monotonic() + WAIT_S
         reply = await self.pool_state(worker_id)
+        while reply.pool.held_blocks and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)  # poll interval of a bounded wait
+            reply = await self.pool_state(worker_id)
         pool = reply.pool
         assert pool.integrity_ok, pool.integrity_error
         assert pool.held_blocks == 0, f"{worker_id} holds {pool.held_blocks} blocks"
@@ -161,7 +170,17 @@ class Cluster:
         self.backend = backend
         self.workers: dict[str, Worker] = {}
 
-    async def start(self, role: str, worker_id: str, *, lease_ms: int = 10_000, **engine: Any) -> Worker:
+    async def start(
+        self,
+        role: str,
+        worker_id: str,
+        *,
+        lease_ms: int = 10_000,
+        kv_blocks_per_message: int = 0,
+        **engine: Any,
+    ) -> Worker:
+        """Start a worker; `kv_blocks_per_message` > 0 makes kvtransfer split the KV into messages of
+        that many blocks (sent direct when the reserved ids are consecutive)."""
         engine.setdefault("block_size", 4)
         engine.setdefault("num_blocks", 64)
         settings = WorkerSettings(
@@ -175,6 +194,12 @@ class Cluster:
             drain_timeout_s=5.0,
             register_timeout_s=WAIT_S,
         )
+        if kv_blocks_per_message:
+            cfg = self.loaded.config  # float32 blocks: layers x K/V x block_size x kv heads x head_dim
+            block_bytes = (
+                cfg.num_hidden_layers * 2 * engine["block_size"] * cfg.num_key_value_heads * cfg.head_dim * 4
+            )
+            settings.kv_message_bytes = settings.kv_direct_bytes = kv_blocks_per_message * block_bytes
         worker = Worker(settings, self.loaded)
         self.workers[worker_id] = worker
         await worker.start()

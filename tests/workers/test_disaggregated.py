@@ -70,8 +70,10 @@ async def assert_quiescent(cluster: Cluster, *workers: Worker) -> None:
 async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
-    p = await cluster.start("prefill", "p0", max_num_batched_tokens=16)  # chunked: several KV chunks
-    d = await cluster.start("decode", "d0")
+    # chunked prefill (16 tokens a step) and 2-block KV messages: the 37-token prompt ships in 2 chunks,
+    # the first while its last prefill chunk computes
+    p = await cluster.start("prefill", "p0", max_num_batched_tokens=16, kv_blocks_per_message=2)
+    d = await cluster.start("decode", "d0", kv_blocks_per_message=2)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
     prompts = {1: random_prompt(rng, 37), 2: random_prompt(rng, 5), 3: random_prompt(rng, 16)}
@@ -80,6 +82,10 @@ async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     got = await coord.collect(set(prompts))
     for rid, prompt in prompts.items():
         assert got[rid] == (greedy(prompt, 8), LENGTH)
+    chunks = d.metrics.registry.get_sample_value(
+        "splitserve_worker_kv_transfer_chunks_total", {"direction": "recv"}
+    )
+    assert chunks is not None and chunks >= 4, "no request streamed its KV in more than one chunk"
     await assert_quiescent(cluster, p, d)
 
     # the same prompt again: D's prefix cache already holds its full blocks, so P ships only the rest
@@ -89,6 +95,22 @@ async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     assert got[4] == (greedy(prompts[1], 6), LENGTH)
     assert d.role.prefix_hit_tokens == 36
     await assert_quiescent(cluster, p, d)
+
+
+async def test_a_first_token_that_ends_the_request_ships_no_kv_and_decodes_nothing(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0")
+    prompt = random_prompt(random.Random(9), 14)
+    await dispatch(
+        cluster.coordinator, p, d, execution_request(2, prompt, 1, identity=p.engine.loaded.identity)
+    )
+    _, env = await cluster.coordinator.expect("output")
+    out = env.prefill_done.output
+    assert (wire.unpack_ids(out.token_ids), out.offset, out.finish_reason) == (greedy(prompt, 1), 0, LENGTH)
+    await assert_quiescent(cluster, p, d)
+    assert cluster.coordinator.inbox["output"].empty(), "the decode worker generated after the end"
 
 
 async def test_reserved_before_prefill_and_reassign_to_another_decode_worker(

@@ -1,0 +1,281 @@
+"""A kvtransfer worker in a process of its own, driven over the control channel (`control.py`).
+
+It owns a transport, a `BlockPool` and a block-major KV cache, and plays the receiver (decode) or
+sender (prefill) side of sessions on request, or the raw loops of kvbench (`bench_loops.py`).
+kvbench and the kvtransfer tests start two of these and drive them; `kvbench serve` runs one for a
+remote `kvbench run --peer`.
+
+    python -m kvtransfer.bench.agent --backend ucx --layout JSON --num-blocks N [--fragment SEED]
+
+On start it prints one line `KVAGENT-READY {"control": ..., "address": ...}` and serves until a
+`shutdown` request or death. Every block it allocates returns to its pool on every session path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+from typing import Any
+
+import structlog
+import torch
+import zmq
+import zmq.asyncio
+
+from engine.block_pool import BlockPool
+from kvtransfer import KVLayout, SessionAborted, SessionConfig, SessionKey, UcxSettings, create_transport
+from kvtransfer.bench import bench_loops
+from kvtransfer.bench.control import READY_PREFIX
+from kvtransfer.bench.pattern import blocks_match, fill_blocks, fill_sentinel, is_sentinel
+from kvtransfer.checksum import block_checksums
+from kvtransfer.session import RecvSession, SendSession
+from kvtransfer.transport import Transport
+
+log = structlog.get_logger(__name__)
+
+
+def fragment_pool(pool: BlockPool, seed: int) -> None:
+    """Reorder the free list into shuffled runs of 1-6 consecutive ids, so allocations are
+    non-contiguous (some runs, some isolated blocks), as on a long-running worker."""
+    ids = pool.allocate(pool.num_blocks)
+    assert ids is not None
+    rng = random.Random(seed)
+    runs, i = [], 0
+    while i < len(ids):
+        n = rng.randint(1, 6)
+        runs.append(ids[i : i + n])
+        i += n
+    rng.shuffle(runs)
+    for run in reversed(runs):
+        pool.free(run)
+
+
+class Agent:
+    """Serves control requests; each request runs as its own task."""
+
+    def __init__(self, transport: Transport, pool: BlockPool, cache: torch.Tensor) -> None:
+        self.transport, self.pool, self.cache = transport, pool, cache
+        self.recv_sessions: dict[SessionKey, RecvSession] = {}
+        self.send_sessions: dict[SessionKey, SendSession] = {}
+        self.loops = bench_loops.BenchLoops(transport)
+        self.stopped = asyncio.Event()
+
+    # -- pool and peers ---------------------------------------------------------------------------
+
+    async def op_pool(self) -> dict[str, Any]:
+        try:
+            self.pool.check_integrity()
+            intact = True
+        except AssertionError:
+            intact = False
+        return {"free": self.pool.num_free_blocks, "total": self.pool.num_blocks, "intact": intact}
+
+    async def op_connect(self, address: str) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        peer = await self.transport.connect(address)
+        return {"connect_s": loop.time() - t0, "transports": peer.transports}
+
+    async def op_info(self) -> dict[str, Any]:
+        return {"address": self.transport.address, "backend": self.transport.backend}
+
+    async def op_shutdown(self) -> dict[str, Any]:
+        self.stopped.set()
+        return {}
+
+    def _peer(self, address: str) -> Any:
+        peer = self.transport.peer(address)
+        if peer is None:
+            raise RuntimeError(f"no peer {address}")
+        return peer
+
+    @staticmethod
+    def _key(rid: str, gen: int) -> SessionKey:
+        return SessionKey(rid, gen)
+
+    # -- receiver side ----------------------------------------------------------------------------
+
+    async def op_reserve(
+        self, rid: str, gen: int, n_blocks: int, peer: str, post: bool = True, config: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """Reserve `n_blocks` (sentinel-filled) and, if `post`, open a RecvSession posting them."""
+        ids = self.pool.allocate(n_blocks)
+        if ids is None:
+            raise RuntimeError(f"cannot reserve {n_blocks} blocks")
+        fill_sentinel(self.cache, ids)
+        if post:
+            session = RecvSession(
+                self._peer(peer), self._key(rid, gen), self.cache, ids, self.pool.free, SessionConfig(**(config or {}))
+            )
+            session.start()
+            self.recv_sessions[session.key] = session
+        return {"block_ids": ids, "messages": len(self.recv_sessions[self._key(rid, gen)].messages) if post else 0}
+
+    async def op_free(self, block_ids: list[int]) -> dict[str, Any]:
+        self.pool.free(block_ids)
+        return {}
+
+    async def op_untouched(self, block_ids: list[int]) -> dict[str, Any]:
+        return {"untouched": is_sentinel(self.cache, block_ids)}
+
+    async def op_mark_done(self, rid: str, gen: int, first_token: int, checksums: list[int] | None = None) -> dict[str, Any]:
+        self.recv_sessions[self._key(rid, gen)].mark_done(first_token, checksums)
+        return {}
+
+    async def op_wait_recv(self, rid: str, gen: int, seed: int | None = None, keep: bool = False) -> dict[str, Any]:
+        """Wait for the session's end; on success check the data against `seed`, free unless `keep`."""
+        session = self.recv_sessions.pop(self._key(rid, gen))
+        try:
+            first_token = await session.wait()
+        except SessionAborted as e:
+            return {"done": False, "reason": e.reason}
+        exact = None if seed is None else blocks_match(self.cache, session.block_ids, seed)
+        if not keep:
+            self.pool.free(session.block_ids)  # the decode request would own them; here it ends at once
+        return {"done": True, "first_token": first_token, "exact": exact}
+
+    # -- sender side ------------------------------------------------------------------------------
+
+    async def op_send(
+        self,
+        rid: str,
+        gen: int,
+        peer: str,
+        dst_ids: list[int],
+        seed: int = 0,
+        upto: int | None = None,
+        config: dict[str, Any] | None = None,
+        checksums: bool = True,
+    ) -> dict[str, Any]:
+        """Allocate and fill source blocks, open a SendSession, send up to `upto` blocks."""
+        key = self._key(rid, gen)
+        if key not in self.send_sessions:
+            ids = self.pool.allocate(len(dst_ids))
+            if ids is None:
+                raise RuntimeError(f"cannot allocate {len(dst_ids)} blocks")
+            fill_blocks(self.cache, ids, seed)
+            self.send_sessions[key] = SendSession(
+                self._peer(peer), key, self.cache, ids, dst_ids, self.pool.free, SessionConfig(**(config or {}))
+            )
+        session = self.send_sessions[key]
+        try:
+            await session.send(upto)
+        except SessionAborted as e:
+            return {"sent": False, "reason": e.reason}
+        return {"sent": True, "checksums": block_checksums(self.cache, session.block_ids) if checksums else None}
+
+    async def op_ack(self, rid: str, gen: int) -> dict[str, Any]:
+        self.send_sessions.pop(self._key(rid, gen)).acknowledged()
+        return {}
+
+    async def op_wait_send(self, rid: str, gen: int) -> dict[str, Any]:
+        session = self.send_sessions.pop(self._key(rid, gen))
+        try:
+            await session.wait()
+        except SessionAborted as e:
+            return {"done": False, "reason": e.reason}
+        return {"done": True}
+
+    async def op_abort(self, rid: str, gen: int, reason: str = "aborted by test") -> dict[str, Any]:
+        key = self._key(rid, gen)
+        session = self.recv_sessions.pop(key, None) or self.send_sessions.pop(key, None)
+        if session is None:
+            raise RuntimeError(f"no session {key}")
+        session.abort(reason)
+        try:
+            await session.wait()
+        except SessionAborted:
+            pass
+        return {"state": session.state.value}
+
+    # -- dispatch ---------------------------------------------------------------------------------
+
+    async def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.pop("op")
+        request_id = request.pop("id")
+        handler = getattr(self, f"op_{op}", None) or getattr(self.loops, f"op_{op}", None)
+        try:
+            if handler is None:
+                raise ValueError(f"unknown op {op!r}")
+            result = await handler(**request)
+            return {"id": request_id, "ok": True, **result}
+        except Exception as e:
+            log.warning("agent request failed", op=op, error=repr(e))
+            return {"id": request_id, "ok": False, "error": repr(e)}
+
+
+async def serve(args: argparse.Namespace) -> None:
+    layout = KVLayout.from_dict(json.loads(args.layout))
+    settings = UcxSettings(
+        progress_mode=args.progress_mode, options=dict(kv.split("=", 1) for kv in args.ucx_opt), tuned=not args.stock
+    )
+    transport = create_transport(args.backend, layout, settings)
+    address = await transport.start(args.advertise or args.host, args.port)
+    pool = BlockPool(args.num_blocks, layout.block_size)
+    if args.fragment is not None:
+        fragment_pool(pool, args.fragment)
+    cache = layout.new_cache(args.num_blocks, args.device)
+    fill_sentinel(cache, range(args.num_blocks))
+    agent = Agent(transport, pool, cache)
+    context = zmq.asyncio.Context()
+    router = context.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    if args.control_port:
+        router.bind(f"tcp://{args.host}:{args.control_port}")
+        control_port = args.control_port
+    else:
+        control_port = router.bind_to_random_port(f"tcp://{args.host}")
+    info = {"control": f"tcp://{args.host}:{control_port}", "address": address, "backend": args.backend}
+    print(READY_PREFIX + json.dumps(info), flush=True)
+
+    async def answer(identity: bytes, request: dict[str, Any]) -> None:
+        await router.send_multipart([identity, json.dumps(await agent.handle(request)).encode()])
+
+    tasks: set[asyncio.Task[None]] = set()
+    receiving = asyncio.ensure_future(router.recv_multipart())
+    stopping = asyncio.ensure_future(agent.stopped.wait())
+    while True:
+        await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if receiving.done():
+            identity, payload = receiving.result()
+            task = asyncio.ensure_future(answer(identity, json.loads(payload)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            receiving = asyncio.ensure_future(router.recv_multipart())
+        if stopping.done():
+            break
+    await asyncio.gather(*tasks, return_exceptions=True)
+    receiving.cancel()
+    await transport.close()
+    router.close()
+    context.term()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvtransfer.bench.agent", description=__doc__)
+    p.add_argument("--backend", choices=("ucx", "tcp"), required=True)
+    p.add_argument("--layout", required=True, help="KVLayout as JSON")
+    p.add_argument("--num-blocks", type=int, required=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="transport port (0: OS-chosen)")
+    p.add_argument("--control-port", type=int, default=0, help="control port (0: OS-chosen)")
+    p.add_argument("--fragment", type=int, default=None, help="shuffle the free list with this seed")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--progress-mode", default=UcxSettings().progress_mode)
+    p.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--stock", action="store_true", help="UCX with UCXX's stock settings, not ours")
+    p.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    # stdout carries only the ready line (a parent may stop reading it); logs go to stderr.
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    asyncio.run(serve(parse_args(argv)))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

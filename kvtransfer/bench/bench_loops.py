@@ -1,0 +1,165 @@
+"""kvbench's raw loops: many tagged messages of one size between two agents, and the memcpy baseline.
+
+Both the transfers and the baseline rotate through a ring of buffers that together exceed the
+last-level cache several times over, so neither measures the cache (a 4 MiB copy of one buffer
+runs from the cache at twice the speed of memory).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import resource
+import statistics
+import time
+import zlib
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvtransfer.transport import Peer, PostedRecv, Transport
+
+LLC_FALLBACK_BYTES = 32 << 20
+MAX_POSTED = 64
+
+
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (the LLC) from sysfs; 32 MiB if unknown."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes, default=LLC_FALLBACK_BYTES)
+
+
+def ring_count(size: int) -> int:
+    """Buffers in a ring of `size`-byte buffers that together hold at least 4x the LLC."""
+    return max(2, math.ceil(4 * llc_bytes() / size))
+
+
+def cpu_seconds() -> float:
+    """User + system CPU of this process, all threads (UCX's progress thread included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def new_ring(size: int, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
+    """A ring of `size`-byte buffers, zeroed, or filled from `seed` (each buffer differs)."""
+    ring = []
+    for j in range(ring_count(size)):
+        if seed is None:
+            buf = torch.zeros(size, dtype=torch.uint8)
+        else:
+            buf = torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(seed + j), dtype=torch.uint8)
+        ring.append(buf.to(device))
+    return ring
+
+
+def ring_checksums(ring: list[torch.Tensor], used: int) -> list[int]:
+    return [zlib.crc32(buf.cpu().numpy().data) for buf in ring[:used]]
+
+
+def percentiles_us(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+
+    def at(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
+
+    return {"p50_us": at(0.5), "p99_us": at(0.99), "p999_us": at(0.999)}
+
+
+def memcpy_gbps(size: int, duration_s: float) -> float:
+    """Single-thread memcpy bandwidth (10^9 bytes/s) over rings of `size`-byte buffers."""
+    src = [np.full(size, j % 256, dtype=np.uint8) for j in range(ring_count(size))]
+    dst = [np.empty(size, dtype=np.uint8) for _ in src]
+    for s, d in zip(src, dst, strict=True):  # first touch outside the timed loop
+        np.copyto(d, s)
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < duration_s or n < len(src):
+        np.copyto(dst[n % len(dst)], src[n % len(src)])
+        n += 1
+    return n * size / elapsed / 1e9
+
+
+class BenchLoops:
+    """The raw-loop requests of an agent; one ring per side, rebuilt when the size changes."""
+
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
+        self._ring: list[torch.Tensor] = []
+
+    def _peer(self, address: str) -> Peer:
+        peer = self.transport.peer(address)
+        if peer is None:
+            raise RuntimeError(f"no peer {address}")
+        return peer
+
+    def _fresh_ring(self, size: int, seed: int | None, device: str) -> list[torch.Tensor]:
+        self._ring = []  # free the previous ring first
+        self._ring = new_ring(size, seed, device)
+        return self._ring
+
+    async def op_ring(self, size: int, seed: int | None = None, device: str = "cpu") -> dict[str, Any]:
+        """Allocate a fresh ring (seeded on the sender, zeroed on the receiver)."""
+        return {"ring": len(self._fresh_ring(size, seed, device))}
+
+    async def op_bench_recv(self, peer: str, iters: int, tag_base: int, verify: bool = False) -> dict[str, Any]:
+        """Post `iters` receives (at most MAX_POSTED ahead, never two on one buffer) and time them."""
+        ring, remote = self._ring, self._peer(peer)
+        window = min(len(ring), MAX_POSTED)
+        loop = asyncio.get_running_loop()
+        landed_at: list[float] = []
+
+        async def land(posted: PostedRecv) -> None:
+            if not await posted.wait():
+                raise RuntimeError("a bench receive was cancelled")
+            landed_at.append(loop.time())
+
+        pending: deque[asyncio.Future[None]] = deque()
+        cpu0 = cpu_seconds()
+        for i in range(iters):
+            if len(pending) >= window:
+                await pending.popleft()
+            pending.append(asyncio.ensure_future(land(remote.post_recv(tag_base + i, ring[i % len(ring)]))))
+        await asyncio.gather(*pending)
+        cpu = cpu_seconds() - cpu0
+        span = landed_at[-1] - landed_at[0] if len(landed_at) > 1 else 0.0
+        checksums = ring_checksums(ring, min(iters, len(ring))) if verify else None
+        return {"span_s": span, "cpu_s": cpu, "checksums": checksums}
+
+    async def op_bench_send(
+        self, peer: str, iters: int, tag_base: int, depth: int, verify: bool = False
+    ) -> dict[str, Any]:
+        """Send `iters` messages with `depth` in flight; per-message latency from send to completion."""
+        ring, remote = self._ring, self._peer(peer)
+        slots = asyncio.Semaphore(depth)
+        latencies: list[float] = []
+
+        async def one(i: int) -> None:
+            try:
+                t0 = time.perf_counter()
+                await remote.send(tag_base + i, ring[i % len(ring)])
+                latencies.append(time.perf_counter() - t0)
+            finally:
+                slots.release()
+
+        sends = []
+        cpu0, t0 = cpu_seconds(), time.perf_counter()
+        for i in range(iters):
+            await slots.acquire()
+            sends.append(asyncio.ensure_future(one(i)))
+        await asyncio.gather(*sends)
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0
+        checksums = ring_checksums(ring, min(iters, len(ring))) if verify else None
+        return {
+            "elapsed_s": elapsed,
+            "cpu_s": cpu,
+            "first_us": latencies[0] * 1e6,
+            "mean_us": statistics.fmean(latencies) * 1e6,
+            "checksums": checksums,
+            **percentiles_us(latencies),
+        }

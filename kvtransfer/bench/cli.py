@@ -1,0 +1,137 @@
+"""`kvbench`: benchmark the KV bulk data plane between two processes (not NIXL's KVBench).
+
+    kvbench run --backend ucx,tcp                       # both agents on this host (loopback)
+    kvbench run --backend ucx --model-shape llama-2l --tokens 128,1k,4k,32k
+    kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
+    kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
+
+Prints a single-thread memcpy baseline first, then one row per point with its ratio to it.
+Exits 1 when any verification failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from kvtransfer.bench import agent, report, runner
+from kvtransfer.bench.bench_loops import memcpy_gbps
+from kvtransfer.bench.report import parse_size, parse_tokens
+
+DEFAULT_SIZES = "64KiB,1MiB,4MiB,16MiB,64MiB"
+T = TypeVar("T")
+
+
+def _csv(convert: Callable[[str], T]) -> Callable[[str], list[T]]:
+    return lambda text: [convert(x) for x in text.split(",") if x]
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run a benchmark and print a table")
+    run.add_argument("--backend", type=_csv(str), default=["ucx", "tcp"], help="ucx, ucx-stock (UCXX defaults), tcp")
+    run.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES))
+    run.add_argument("--depth", type=_csv(int), default=[1], help="messages in flight (a sweep)")
+    run.add_argument("--duration", type=float, default=2.0, help="seconds per measured run (after a warm-up run)")
+    run.add_argument("--repeats", type=int, default=3)
+    run.add_argument("--progress-mode", default=None, help="UCX progress mode (default: kvtransfer's)")
+    run.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE", help="extra UCX option")
+    run.add_argument("--peer", default=None, metavar="tcp://HOST:PORT", help="control endpoint of `kvbench serve`")
+    run.add_argument("--model-shape", default=None, help="a name from engine.shapes.SHAPES")
+    run.add_argument("--tokens", type=_csv(parse_tokens), default=[128, 1024, 4096, 32768])
+    run.add_argument("--block-size", type=int, default=16)
+    run.add_argument("--json", type=Path, default=None, help="write rows as JSON lines")
+    run.add_argument("--csv", type=Path, default=None)
+    run.add_argument("--plot", type=Path, default=None, help="bandwidth vs size PNG (raw mode)")
+    run.add_argument("--agent-log", type=Path, default=Path(tempfile.gettempdir()) / "kvbench-agents.log")
+    serve = sub.add_parser("serve", help="run the receiver agent for a remote `kvbench run --peer`")
+    serve.add_argument("--backend", choices=sorted(runner.BACKEND_ARGS), required=True)
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--advertise", required=True, help="address the other host dials")
+    serve.add_argument("--port", type=int, default=0)
+    serve.add_argument("--control-port", type=int, default=5555)
+    serve.add_argument("--num-blocks", type=int, default=8192, help="KV blocks (model-shape mode)")
+    serve.add_argument("--model-shape", default=None, help="as given to the `run` side (default: raw mode)")
+    serve.add_argument("--block-size", type=int, default=16)
+    return p.parse_args(argv)
+
+
+async def _run(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = runner.BenchConfig(
+        backends=args.backend,
+        sizes=args.sizes,
+        depths=args.depth,
+        duration_s=args.duration,
+        repeats=args.repeats,
+        progress_mode=args.progress_mode,
+        ucx_opts=args.ucx_opt,
+        peer=args.peer,
+        model_shape=args.model_shape,
+        tokens=args.tokens if args.model_shape else [],
+        block_size=args.block_size,
+        command=shlex.join(["kvbench", *argv]),
+        agent_log=args.agent_log.open("a"),
+    )
+    unknown = [b for b in cfg.backends if b not in runner.BACKEND_ARGS]
+    if unknown:
+        raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(runner.BACKEND_ARGS)}")
+    memcpy: dict[int, float] = {}
+
+    def memcpy_for(size: int) -> float:
+        if size not in memcpy:
+            memcpy[size] = memcpy_gbps(size, args.duration)
+        return memcpy[size]
+
+    if cfg.model_shape is None:
+        for size in cfg.sizes:
+            memcpy_for(size)
+        print("memcpy baseline (1 thread, buffers rotated beyond the LLC):")
+        print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
+        points = len(cfg.backends) * len(cfg.sizes) * len(cfg.depths)
+    else:
+        points = len(cfg.backends) * len(cfg.tokens)
+    progress = report.Progress(points)
+    rows: list[report.Row] = []
+    for backend in cfg.backends:
+        if cfg.model_shape is None:
+            rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
+        else:
+            rows += await runner.model_sweep(cfg, backend, memcpy_for, progress)
+    columns = report.COLUMNS if cfg.model_shape is None else report.MODEL_COLUMNS
+    print(report.table(rows, columns))
+    if args.json:
+        report.write_json_lines(rows, args.json)
+    if args.csv:
+        report.write_csv(rows, args.csv)
+    if args.plot and cfg.model_shape is None:
+        report.plot(rows, memcpy, args.plot)
+    print(f"agent logs: {args.agent_log}", file=sys.stderr)
+    failed = [r for r in rows if not r["verified"]]
+    if failed:
+        print(f"verification FAILED for {len(failed)} row(s)", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.command == "serve":
+        layout = runner.RAW_LAYOUT if args.model_shape is None else runner.model_layout(args.model_shape, args.block_size)
+        agent_argv = [*runner.BACKEND_ARGS[args.backend], "--layout", json.dumps(layout.to_dict())]
+        agent_argv += ["--num-blocks", str(args.num_blocks)]
+        agent_argv += ["--host", args.host, "--advertise", args.advertise, "--port", str(args.port)]
+        agent.main([*agent_argv, "--control-port", str(args.control_port)])
+        return 0
+    return asyncio.run(_run(args, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""kvbench output: the readable table, a progress bar, JSON lines, CSV and the bandwidth plot.
+
+A row is a flat dict. Every row carries `backend`, `size_bytes`, `gbps`, `memcpy_gbps`, `ratio`,
+`p50_us`, `p99_us`, `verified` and the inputs needed to reproduce it (`command`, `settings`).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+Row = dict[str, Any]
+
+UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "K": 1000, "KB": 1000, "MB": 10**6, "GB": 10**9}
+
+COLUMNS = [
+    ("backend", "backend", "{}"),
+    ("size", "size", "{}"),
+    ("depth", "depth", "{}"),
+    ("gbps", "GB/s", "{:.2f}"),
+    ("gbits", "Gb/s", "{:.1f}"),
+    ("memcpy_gbps", "memcpy", "{:.2f}"),
+    ("ratio", "ratio", "{:.2f}"),
+    ("p50_us", "p50 us", "{:.0f}"),
+    ("p99_us", "p99 us", "{:.0f}"),
+    ("p999_us", "p99.9 us", "{:.0f}"),
+    ("cpu_s_per_gib", "CPU s/GiB", "{:.2f}"),
+    ("connect_ms", "connect ms", "{:.1f}"),
+    ("reg_ms", "reg ms", "{:.2f}"),
+    ("verified", "verified", "{}"),
+    ("transport", "transport", "{}"),
+]
+
+MODEL_COLUMNS = [
+    ("backend", "backend", "{}"),
+    ("model_shape", "shape", "{}"),
+    ("tokens", "tokens", "{}"),
+    ("blocks", "blocks", "{}"),
+    ("messages", "msgs", "{}"),
+    ("size", "bytes", "{}"),
+    ("transfer_ms", "transfer ms", "{:.2f}"),
+    ("gbps", "GB/s", "{:.2f}"),
+    ("memcpy_gbps", "memcpy", "{:.2f}"),
+    ("ratio", "ratio", "{:.2f}"),
+    ("verified", "verified", "{}"),
+    ("transport", "transport", "{}"),
+]
+
+
+def parse_size(text: str) -> int:
+    """'64KiB' -> 65536, '4MiB' -> 4194304, '1000' -> 1000."""
+    t = text.strip().upper()
+    for unit in sorted(UNITS, key=len, reverse=True):
+        if t.endswith(unit) and t[: -len(unit)].replace(".", "", 1).isdigit():
+            return int(float(t[: -len(unit)]) * UNITS[unit])
+    return int(t)
+
+
+def parse_tokens(text: str) -> int:
+    """'128' -> 128, '4k' -> 4096, '32k' -> 32768 (token counts use binary k)."""
+    t = text.strip().lower()
+    return int(float(t[:-1]) * 1024) if t.endswith("k") else int(t)
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+class Progress:
+    """A one-line progress bar on stderr (only when it is a terminal, or when forced)."""
+
+    def __init__(self, total: int, stream: TextIO = sys.stderr, enabled: bool | None = None) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+        self.enabled = stream.isatty() if enabled is None else enabled
+
+    def step(self, label: str) -> None:
+        self.done += 1
+        if self.enabled:
+            filled = int(30 * self.done / max(self.total, 1))
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<40}")
+            self.stream.flush()
+            if self.done == self.total:
+                self.stream.write("\n")
+
+
+def table(rows: Sequence[Row], columns: Sequence[tuple[str, str, str]] = COLUMNS) -> str:
+    """Rows as an aligned text table; only the columns some row has."""
+    present = [c for c in columns if any(c[0] in r for r in rows)]
+    cells = [[h for _, h, _ in present]]
+    for r in rows:
+        cells.append([fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in present])
+    widths = [max(len(row[i]) for row in cells) for i in range(len(present))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def write_json_lines(rows: Sequence[Row], path: Path) -> None:
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r, sort_keys=True) + "\n")
+
+
+def write_csv(rows: Sequence[Row], path: Path) -> None:
+    keys = sorted({k for r in rows for k in r})
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({k: json.dumps(v) if isinstance(v, dict | list) else v for k, v in r.items()})
+
+
+def plot(rows: Sequence[Row], memcpy: dict[int, float], path: Path) -> None:
+    """Bandwidth vs message size, one line per backend (first depth), memcpy as the ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    sizes = sorted(memcpy)
+    ax.plot(sizes, [memcpy[s] for s in sizes], "k--", label="memcpy (1 thread)")
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        mine = [r for r in rows if r["backend"] == backend]
+        depth = mine[0].get("depth")
+        mine = sorted((r for r in mine if r.get("depth") == depth), key=lambda r: r["size_bytes"])
+        ax.plot([r["size_bytes"] for r in mine], [r["gbps"] for r in mine], "o-", label=f"{backend} (depth {depth})")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("GB/s (10^9 bytes/s)")
+    ax.set_title("kvbench: bandwidth between two processes")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

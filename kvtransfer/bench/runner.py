@@ -1,0 +1,248 @@
+"""kvbench's orchestration: start (or reach) the two agents, sweep, and turn replies into rows.
+
+Per point: a warm-up run (its first message, on fresh buffers, gives the registration cost), then
+`repeats` runs sized to `duration` each; GB/s is the median over repeats, latency percentiles come
+from the last run, and the last run is verified (CRC-32 of every ring buffer on both sides).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from kvtransfer import KVLayout
+from kvtransfer.bench.control import AgentClient, SpawnedAgent, spawn_agent
+from kvtransfer.bench.report import Progress, Row, format_size
+
+# Variants of `--backend`: the agent arguments each one means.
+BACKEND_ARGS = {"ucx": ["--backend", "ucx"], "ucx-stock": ["--backend", "ucx", "--stock"], "tcp": ["--backend", "tcp"]}
+RAW_LAYOUT = KVLayout("uint8", 1, 1, 1, 1, "kvbench-raw")
+GIB = 1 << 30
+
+
+@dataclass
+class BenchConfig:
+    backends: list[str]
+    sizes: list[int]
+    depths: list[int] = field(default_factory=lambda: [1])
+    duration_s: float = 2.0
+    repeats: int = 3
+    progress_mode: str | None = None
+    ucx_opts: list[str] = field(default_factory=list)
+    peer: str | None = None  # control endpoint of a remote `kvbench serve` (receiver side)
+    model_shape: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    block_size: int = 16
+    command: str = ""
+    agent_log: IO[str] | None = None
+
+    def agent_args(self, backend: str) -> list[str]:
+        args = list(BACKEND_ARGS[backend])
+        if self.progress_mode and backend.startswith("ucx"):
+            args += ["--progress-mode", self.progress_mode]
+        for opt in self.ucx_opts if backend.startswith("ucx") else []:
+            args += ["--ucx-opt", opt]
+        return args
+
+
+@dataclass
+class Agents:
+    recv: AgentClient
+    send: AgentClient
+    receiver_address: str
+    sender_address: str
+    connect_ms: float
+    transport: str
+    spawned: list[SpawnedAgent]
+
+    def close(self) -> None:
+        self.recv.close()
+        self.send.close()
+        for agent in self.spawned:
+            agent.stop()
+
+
+async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blocks: int) -> Agents:
+    """Spawn the sender (and, without `--peer`, the receiver) and connect sender -> receiver."""
+    args = [*cfg.agent_args(backend), "--layout", json.dumps(layout.to_dict()), "--num-blocks", str(num_blocks)]
+    spawned = []
+    if cfg.peer is None:
+        spawned.append(spawn_agent([*args, "--fragment", "1"], cfg.agent_log))
+        recv = AgentClient(spawned[0].control)
+    else:
+        recv = AgentClient(cfg.peer)
+    spawned.append(spawn_agent([*args, "--fragment", "2"], cfg.agent_log))
+    send = AgentClient(spawned[-1].control)
+    receiver_address = (await recv.call("info"))["address"]
+    connected = await send.call("connect", address=receiver_address)
+    sender_address = (await send.call("info"))["address"]
+    return Agents(recv, send, receiver_address, sender_address, connected["connect_s"] * 1e3, connected["transports"], spawned)
+
+
+def _tag_base() -> int:
+    return random.getrandbits(31) << 32
+
+
+async def _raw_run(agents: Agents, iters: int, depth: int, verify: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    import asyncio
+
+    tag = _tag_base()
+    recv, send = await asyncio.gather(
+        agents.recv.call("bench_recv", peer=agents.sender_address, iters=iters, tag_base=tag, verify=verify, timeout=600),
+        agents.send.call(
+            "bench_send", peer=agents.receiver_address, iters=iters, tag_base=tag, depth=depth, verify=verify, timeout=600
+        ),
+    )
+    return recv, send
+
+
+async def raw_sweep(cfg: BenchConfig, backend: str, memcpy: dict[int, float], progress: Progress) -> list[Row]:
+    agents = await start_agents(cfg, backend, RAW_LAYOUT, 1)
+    rows = []
+    try:
+        for size in cfg.sizes:
+            ring = (await agents.send.call("ring", size=size, seed=size))["ring"]
+            await agents.recv.call("ring", size=size)
+            for depth in cfg.depths:
+                warm_iters = max(2 * depth, ring)  # touches (and registers) every ring buffer once
+                t0 = time.perf_counter()
+                _, warm = await _raw_run(agents, warm_iters, depth, verify=False)
+                per_iter = (time.perf_counter() - t0) / warm_iters
+                iters = max(ring, 2 * depth, math.ceil(cfg.duration_s / per_iter))
+                runs = [await _raw_run(agents, iters, depth, verify=i == cfg.repeats - 1) for i in range(cfg.repeats)]
+                rows.append(_raw_row(cfg, backend, size, depth, iters, memcpy[size], agents, warm, runs))
+                progress.step(f"{backend} {format_size(size)} depth {depth}")
+    finally:
+        agents.close()
+    return rows
+
+
+def _raw_row(
+    cfg: BenchConfig,
+    backend: str,
+    size: int,
+    depth: int,
+    iters: int,
+    memcpy: float,
+    agents: Agents,
+    warm: dict[str, Any],
+    runs: list[tuple[dict[str, Any], dict[str, Any]]],
+) -> Row:
+    rates = [(iters - 1) * size / recv["span_s"] / 1e9 for recv, _ in runs if recv["span_s"] > 0]
+    gbps = statistics.median(rates) if rates else 0.0
+    last_recv, last_send = runs[-1]
+    cpu = sum(recv["cpu_s"] + send["cpu_s"] for recv, send in runs) / (len(runs) * iters * size / GIB)
+    return {
+        "mode": "raw",
+        "backend": backend,
+        "size_bytes": size,
+        "size": format_size(size),
+        "depth": depth,
+        "iters": iters,
+        "repeats": cfg.repeats,
+        "gbps": gbps,
+        "gbits": gbps * 8,
+        "gbps_repeats": rates,
+        "memcpy_gbps": memcpy,
+        "ratio": gbps / memcpy,
+        "p50_us": last_send["p50_us"],
+        "p99_us": last_send["p99_us"],
+        "p999_us": last_send["p999_us"],
+        "cpu_s_per_gib": cpu,
+        "connect_ms": agents.connect_ms,
+        "reg_ms": max(0.0, warm["first_us"] - warm["p50_us"]) / 1e3,
+        "verified": last_recv["checksums"] == last_send["checksums"],
+        "transport": agents.transport,
+        **_inputs(cfg, backend),
+    }
+
+
+def _inputs(cfg: BenchConfig, backend: str) -> Row:
+    return {
+        "duration_s": cfg.duration_s,
+        "settings": {"agent_args": cfg.agent_args(backend), "env_ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX")}},
+        "command": cfg.command,
+        "host": os.uname().nodename,
+    }
+
+
+def model_layout(shape: str, block_size: int) -> KVLayout:
+    """The block-major layout of a named shape from engine.shapes (imported only in this mode)."""
+    try:
+        from engine.shapes import SHAPES
+    except ImportError as e:
+        raise SystemExit(f"--model-shape needs engine/shapes.py (SHAPES), which is not importable: {e}") from e
+    if shape not in SHAPES:
+        raise SystemExit(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+    c = SHAPES[shape]
+    return KVLayout(str(c.torch_dtype), c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, shape)
+
+
+async def model_sweep(
+    cfg: BenchConfig, backend: str, memcpy_for: Callable[[int], float], progress: Progress
+) -> list[Row]:
+    """Move the KV of a prompt of each length in the real block layout, through sessions."""
+    assert cfg.model_shape is not None
+    layout = model_layout(cfg.model_shape, cfg.block_size)
+    max_blocks = max(-(-t // cfg.block_size) for t in cfg.tokens)
+    agents = await start_agents(cfg, backend, layout, 2 * max_blocks)
+    rows = []
+    try:
+        for tokens in cfg.tokens:
+            n = -(-tokens // cfg.block_size)
+            times, verified, messages = [], True, 0
+            for i in range(cfg.repeats + 1):  # the first is the warm-up
+                rid, last = f"bench-{tokens}-{i}", i == cfg.repeats
+                reserved = await agents.recv.call("reserve", rid=rid, gen=0, n_blocks=n, peer=agents.sender_address)
+                messages = reserved["messages"]
+                t0 = time.perf_counter()
+                sent = await agents.send.call(
+                    "send", rid=rid, gen=0, peer=agents.receiver_address, dst_ids=reserved["block_ids"], seed=i, checksums=last
+                )
+                await agents.recv.call("mark_done", rid=rid, gen=0, first_token=1, checksums=sent["checksums"])
+                result = await agents.recv.call("wait_recv", rid=rid, gen=0)
+                elapsed = time.perf_counter() - t0
+                await agents.send.call("ack", rid=rid, gen=0)
+                verified &= bool(result["done"])
+                if i:
+                    times.append(elapsed)
+            size = n * layout.block_bytes
+            p50 = statistics.median(times)
+            gbps = size / p50 / 1e9
+            memcpy = memcpy_for(size)
+            rows.append(
+                {
+                    "mode": "model",
+                    "backend": backend,
+                    "model_shape": cfg.model_shape,
+                    "tokens": tokens,
+                    "blocks": n,
+                    "messages": messages,
+                    "size_bytes": size,
+                    "size": format_size(size),
+                    "transfer_ms": p50 * 1e3,
+                    "gbps": gbps,
+                    "gbits": gbps * 8,
+                    "memcpy_gbps": memcpy,
+                    "ratio": gbps / memcpy,
+                    "p50_us": p50 * 1e6,
+                    "p99_us": max(times) * 1e6,
+                    "connect_ms": agents.connect_ms,
+                    "verified": verified,
+                    "transport": agents.transport,
+                    "repeats": cfg.repeats,
+                    **_inputs(cfg, backend),
+                }
+            )
+            progress.step(f"{backend} {cfg.model_shape} {tokens} tokens")
+    finally:
+        agents.close()
+    return rows
+

@@ -1,0 +1,78 @@
+"""Two real agent processes on 127.0.0.1 (ports from the OS), driven over the control channel."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+
+import pytest
+
+from kvtransfer import KVLayout
+from kvtransfer.bench.control import AgentClient, SpawnedAgent, spawn_agent
+
+LAYOUT = KVLayout(dtype="float16", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, model_identity="tiny")
+NUM_BLOCKS = 64
+
+
+def agent_args(backend: str, layout: KVLayout = LAYOUT, fragment: int | None = 1) -> list[str]:
+    args = ["--backend", backend, "--layout", json.dumps(layout.to_dict()), "--num-blocks", str(NUM_BLOCKS)]
+    return [*args, "--fragment", str(fragment)] if fragment is not None else args
+
+
+@dataclass
+class Pair:
+    """A receiver (decode) and a sender (prefill) agent, connected sender -> receiver."""
+
+    receiver: SpawnedAgent
+    sender: SpawnedAgent
+    recv: AgentClient
+    send: AgentClient
+
+    async def pools_free(self) -> None:
+        for client in (self.recv, self.send):
+            pool = await client.call("pool")
+            assert pool["intact"] and pool["free"] == pool["total"], pool
+
+
+@pytest.fixture(scope="module", params=["ucx", "tcp"])
+def backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _spawn_pair(backend: str) -> Iterator[tuple[SpawnedAgent, SpawnedAgent]]:
+    receiver = spawn_agent(agent_args(backend, fragment=1))
+    try:
+        sender = spawn_agent(agent_args(backend, fragment=2))
+    except Exception:
+        receiver.stop()
+        raise
+    yield receiver, sender
+    sender.stop()
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def agents(backend: str) -> Iterator[tuple[SpawnedAgent, SpawnedAgent]]:
+    """One pair of agent processes per module and backend (sessions use distinct request ids)."""
+    yield from _spawn_pair(backend)
+
+
+@pytest.fixture
+def own_agents(backend: str) -> Iterator[tuple[SpawnedAgent, SpawnedAgent]]:
+    """A pair for one test only, for tests that kill a process."""
+    yield from _spawn_pair(backend)
+
+
+async def connect_pair(receiver: SpawnedAgent, sender: SpawnedAgent) -> Pair:
+    recv, send = AgentClient(receiver.control), AgentClient(sender.control)
+    await send.call("connect", address=receiver.address)
+    return Pair(receiver, sender, recv, send)
+
+
+@pytest.fixture
+async def pair(agents: tuple[SpawnedAgent, SpawnedAgent]) -> AsyncIterator[Pair]:
+    p = await connect_pair(*agents)
+    yield p
+    p.recv.close()
+    p.send.close()

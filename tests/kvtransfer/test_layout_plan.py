@@ -1,0 +1,64 @@
+"""Layout descriptor and message plan: pure functions, no processes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvtransfer import KVLayout, LayoutMismatch
+from kvtransfer.plan import consecutive_start, plan_messages, session_tag_base
+from tests.kvtransfer.conftest import LAYOUT
+
+
+def test_layout_block_bytes_and_cache() -> None:
+    assert LAYOUT.block_shape == (2, 2, 4, 2, 8)
+    assert LAYOUT.block_bytes == 2 * 2 * 4 * 2 * 8 * 2
+    cache = LAYOUT.new_cache(3)
+    LAYOUT.check_cache(cache)
+    assert cache[1].numel() * cache.element_size() == LAYOUT.block_bytes
+    with pytest.raises(ValueError):
+        LAYOUT.check_cache(cache.to(torch.float32))
+
+
+def test_layout_digest_is_stable_and_covers_every_field() -> None:
+    assert LAYOUT.digest() == KVLayout.from_dict(LAYOUT.to_dict()).digest()
+    changed = {"dtype": "bfloat16", "num_layers": 3, "block_size": 8, "num_kv_heads": 1, "head_dim": 16}
+    for name, value in {**changed, "model_identity": "other"}.items():
+        other = dataclasses.replace(LAYOUT, **{name: value})
+        assert other.digest() != LAYOUT.digest()
+        with pytest.raises(LayoutMismatch) as e:
+            LAYOUT.check_compatible(other)
+        assert e.value.field == name and name in str(e.value)
+
+
+def test_layout_rejects_unknown_order_and_dtype() -> None:
+    with pytest.raises(ValueError, match="order"):
+        dataclasses.replace(LAYOUT, order="layer-major")
+    with pytest.raises(ValueError, match="dtype"):
+        dataclasses.replace(LAYOUT, dtype="float7")
+
+
+def test_plan_direct_runs_and_packed_fragments() -> None:
+    dst = [40, 41, 42, 43, 7, 19, 3, 60, 61, 62]
+    plan = plan_messages(dst, block_bytes=100, max_message_bytes=10_000, min_direct_bytes=300)
+    assert [(m.start, m.stop, m.direct) for m in plan] == [(0, 4, True), (4, 7, False), (7, 10, True)]
+    assert [m.index for m in plan] == [0, 1, 2]
+
+
+def test_plan_tiles_the_sequence_within_the_size_cap() -> None:
+    dst = list(range(100, 120)) + [5, 9, 11, 13] + list(range(30, 33))
+    plan = plan_messages(dst, block_bytes=100, max_message_bytes=500, min_direct_bytes=200)
+    assert plan[0].start == 0 and plan[-1].stop == len(dst)
+    assert all(a.stop == b.start for a, b in zip(plan, plan[1:], strict=False))
+    assert all(m.num_blocks <= 5 for m in plan)
+    for m in plan:
+        assert m.direct == (consecutive_start(dst[m.start : m.stop]) is not None and m.num_blocks >= 2)
+
+
+def test_session_tags_differ_by_request_and_generation() -> None:
+    tags = {session_tag_base(rid, gen) for rid in ("a", "b") for gen in (0, 1)}
+    assert len(tags) == 4
+    assert all(tag & 0xFFFF == 0 for tag in tags)
+    assert session_tag_base("a", 0) == session_tag_base("a", 0)

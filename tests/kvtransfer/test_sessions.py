@@ -1,0 +1,78 @@
+"""Sessions between two real processes, both backends: every path leaves both pools fully free."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvtransfer.bench.control import SpawnedAgent
+from tests.kvtransfer.conftest import Pair, connect_pair
+
+# Small messages so a session has many (direct and packed) messages to abort between.
+SMALL = {"max_message_bytes": 4 << 10, "min_direct_bytes": 2 << 10}
+
+
+async def test_bit_exact_into_non_contiguous_blocks(pair: Pair) -> None:
+    reserved = await pair.recv.call("reserve", rid="r1", gen=0, n_blocks=24, peer=pair.sender.address, config=SMALL)
+    ids = reserved["block_ids"]
+    assert any(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)), "reservation should be fragmented"
+    sent = await pair.send.call("send", rid="r1", gen=0, peer=pair.receiver.address, dst_ids=ids, seed=7, config=SMALL)
+    assert sent["sent"], sent
+    await pair.recv.call("mark_done", rid="r1", gen=0, first_token=42, checksums=sent["checksums"])
+    result = await pair.recv.call("wait_recv", rid="r1", gen=0, seed=7)
+    assert result == {"id": result["id"], "ok": True, "done": True, "first_token": 42, "exact": True}
+    await pair.send.call("ack", rid="r1", gen=0)
+    await pair.pools_free()
+
+
+async def _start_half(pair: Pair, rid: str, config: dict[str, float]) -> list[int]:
+    """Reserve 24 blocks on the receiver and send the first half of them."""
+    reserved = await pair.recv.call("reserve", rid=rid, gen=0, n_blocks=24, peer=pair.sender.address, config=config)
+    sent = await pair.send.call(
+        "send", rid=rid, gen=0, peer=pair.receiver.address, dst_ids=reserved["block_ids"], upto=12, config=config
+    )
+    assert sent["sent"], sent
+    return list(reserved["block_ids"])
+
+
+@pytest.mark.parametrize("first", ["receiver", "sender"])
+async def test_abort_mid_transfer_frees_both_pools(pair: Pair, first: str) -> None:
+    await _start_half(pair, f"r2-{first}", SMALL)
+    order = [pair.recv, pair.send] if first == "receiver" else [pair.send, pair.recv]
+    for client in order:
+        assert (await client.call("abort", rid=f"r2-{first}", gen=0))["state"] == "aborted"
+    await pair.pools_free()
+
+
+async def test_lease_timeout_frees_both_pools(pair: Pair) -> None:
+    config = {**SMALL, "lease_s": 0.5}
+    await _start_half(pair, "r3", config)
+    recv, send = await asyncio.gather(
+        pair.recv.call("wait_recv", rid="r3", gen=0), pair.send.call("wait_send", rid="r3", gen=0)
+    )
+    assert recv["reason"] == send["reason"] == "lease expired"
+    await pair.pools_free()
+
+
+async def test_sender_killed_frees_receiver_pool(own_agents: tuple[SpawnedAgent, SpawnedAgent]) -> None:
+    pair = await connect_pair(*own_agents)
+    await _start_half(pair, "r4", {**SMALL, "lease_s": 120})
+    pair.sender.process.kill()
+    result = await pair.recv.call("wait_recv", rid="r4", gen=0)
+    assert not result["done"] and result["reason"].startswith("peer lost"), result
+    pool = await pair.recv.call("pool")
+    assert pool["intact"] and pool["free"] == pool["total"], pool
+    pair.recv.close()
+    pair.send.close()
+
+
+async def test_unposted_receiver_is_never_written(pair: Pair) -> None:
+    reserved = await pair.recv.call("reserve", rid="r5", gen=0, n_blocks=8, peer=pair.sender.address, post=False)
+    ids = reserved["block_ids"]
+    # UCX may complete small (eager) sends locally; either way nobody acknowledges, the lease ends it.
+    await pair.send.call("send", rid="r5", gen=0, peer=pair.receiver.address, dst_ids=ids, config={"lease_s": 0.5})
+    assert (await pair.send.call("wait_send", rid="r5", gen=0))["reason"] == "lease expired"
+    assert (await pair.recv.call("untouched", block_ids=ids))["untouched"]
+    await pair.recv.call("free", block_ids=ids)
+    await pair.pools_free()
