@@ -27,14 +27,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from engine.kv_manager import cdiv
-from engine.llm_engine import LLMEngine
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, sampling_params
-from engine.worker.metrics import WorkerMetrics
-from engine.worker.role import RequestRecord, WorkerRole
-from engine.worker.runtime import ControlPlane
-from engine.worker.settings import WorkerSettings
-from engine.worker.stepper import StepLoop, StepReport
+from engine.worker.record import RequestRecord
+from engine.worker.role import WorkerParts, WorkerRole
+from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError
 from splitserve import wire
@@ -65,23 +62,15 @@ class DecodeRequest(RequestRecord):
 class DecodeWorker(WorkerRole):
     """Owns the decode worker's requests (`records`: rid -> DecodeRequest) and their reservations."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        engine: LLMEngine,
-        stepper: StepLoop,
-        control: ControlPlane,
-        metrics: WorkerMetrics,
-        plane: TransferPlane | None,
-    ) -> None:
-        super().__init__(settings, engine, stepper, control, metrics)
+    def __init__(self, parts: WorkerParts, plane: TransferPlane | None) -> None:
+        super().__init__(parts)
         self.plane = plane
-        self.colocated = settings.role == "colocated"
-        self.block_size = engine.pool.block_size
+        self.colocated = self.settings.role == "colocated"
+        self.block_size = self.engine.pool.block_size
 
     # --- coordinator messages -----------------------------------------------------------------------
 
-    async def on_decode(self, msg: Received) -> None:
+    async def handle_decode(self, msg: Received) -> None:
         d = msg.envelope.decode
         req = d.request
         if not self.supersede(req, "decode"):
@@ -167,7 +156,7 @@ class DecodeWorker(WorkerRole):
 
     # --- prefill worker messages --------------------------------------------------------------------
 
-    async def on_kv_chunk_ready(self, msg: Received) -> None:
+    async def handle_kv_chunk_ready(self, msg: Received) -> None:
         c = msg.envelope.kv_chunk_ready
         r: DecodeRequest | None = self.current(c.rid, c.generation, "kv_chunk_ready", msg.sender)
         if r is None or r.kv_done is not None:
@@ -182,7 +171,7 @@ class DecodeWorker(WorkerRole):
         if r.first_chunk_at is None:
             r.first_chunk_at = time.monotonic()
 
-    async def on_kv_done(self, msg: Received) -> None:
+    async def handle_kv_done(self, msg: Received) -> None:
         k = msg.envelope.kv_done
         r: DecodeRequest | None = self.current(k.rid, k.generation, "kv_done", msg.sender)
         if r is None or r.kv_done is not None or r.session is None or r.peer is None:
@@ -217,7 +206,7 @@ class DecodeWorker(WorkerRole):
         if not self.is_current(r) or r.peer is None or token is None:
             return
         assert r.release_session is not None and r.kv_done is not None
-        r.release_session(r.reserved_blocks)  # DONE never releases: the session's references go here
+        r.release_session(r.reserved_blocks)  # kvtransfer releases only on abort: DONE's go here
         self.rearm_lease(r, None)
         assert self.plane is not None
         self.metrics.transfer_bytes.labels("recv").inc(len(r.reserved_blocks) * self.plane.block_bytes)
@@ -274,8 +263,11 @@ class DecodeWorker(WorkerRole):
 
     def _release(self, rec: RequestRecord, outcome: str) -> None:
         assert isinstance(rec, DecodeRequest)
-        if rec.session is not None and rec.session.state is not SessionState.DONE:
-            rec.session.abort(outcome)  # its references go once every posted receive ended
+        if rec.session is not None and rec.release_session is not None:
+            if rec.session.state is SessionState.DONE:
+                rec.release_session(rec.reserved_blocks)  # landed, maybe not yet joined: drop them now
+            else:
+                rec.session.abort(outcome)  # its references go once every posted receive ended
         self.stepper.release(rec.seq)
 
     def peer_needs_abort(self, rec: RequestRecord) -> bool:

@@ -86,7 +86,9 @@ class _Session(ABC):
         self.peer, self.key, self.cache, self.config = peer, key, cache, config
         self.block_ids = list(block_ids)
         block_bytes = cache[0].numel() * cache.element_size()
-        self.messages = plan_messages(plan_ids, block_bytes, config.max_message_bytes, config.min_direct_bytes)
+        self.messages = plan_messages(
+            plan_ids, block_bytes, config.max_message_bytes, config.min_direct_bytes
+        )
         self.state = SessionState.ACTIVE
         self.abort_reason: str | None = None
         self._tag_base = session_tag_base(key.request_id, key.generation)
@@ -162,7 +164,9 @@ class RecvSession(_Session):
         self._done_marked = False
 
     def start(self) -> None:
-        """Post every message's receive buffer. Call before sending the block ids to the sender."""
+        """Post every message's receive buffer. Call before sending the block ids to the sender.
+
+        Never raises for a lost peer: the session aborts instead (and `wait()` says so)."""
         if self._posted or self.state is not SessionState.ACTIVE:
             return
         for message in self.messages:
@@ -171,7 +175,11 @@ class RecvSession(_Session):
                 buf, staging = self.cache[ids[0] : ids[-1] + 1], None
             else:
                 buf = staging = self._staging(message.num_blocks)
-            posted = self.peer.post_recv(self.tag(message), buf)
+            try:
+                posted = self.peer.post_recv(self.tag(message), buf)
+            except PeerLost as e:
+                self.abort(f"peer lost: {e}")
+                return
             self._posted.append(posted)
             self._landed.append(asyncio.ensure_future(self._land(posted, ids, staging)))
 
@@ -238,7 +246,8 @@ class SendSession(_Session):
 
     async def send(self, upto: int | None = None) -> None:
         """Send every message whose blocks all lie below logical block `upto` (None: all blocks) and
-        return once they are delivered. Call again as prefill produces more blocks."""
+        return once they are delivered; raises SessionAborted if the session ended. Call again (one
+        call at a time) as prefill produces more blocks; ship KVDone only after `send()` returned."""
         limit = len(self.block_ids) if upto is None else upto
         while self._next < len(self.messages) and self.messages[self._next].stop <= limit:
             if self.state is not SessionState.ACTIVE:

@@ -40,7 +40,7 @@ _SOCKET_BUFFER_BYTES = 4 << 20
 
 
 def _host_view(buf: torch.Tensor) -> memoryview:
-    return memoryview(as_bytes(buf).numpy()).cast("B")
+    return memoryview(as_bytes(buf).numpy().data).cast("B")
 
 
 @dataclass
@@ -247,7 +247,9 @@ class TcpTransport(Transport):
 
     async def _handshake_accepted(self, sock: socket.socket) -> None:
         try:
-            address, ok, reply = self.check_hello(await asyncio.wait_for(_recv_blob(sock), self.connect_timeout_s))
+            address, ok, reply = self.check_hello(
+                await asyncio.wait_for(_recv_blob(sock), self.connect_timeout_s)
+            )
             await _send_blob(sock, reply)
         except (OSError, ConnectionError, TimeoutError, ValueError) as e:
             log.info("kv connection ended during hello", backend="tcp", error=repr(e))

@@ -110,32 +110,36 @@ class _UcxLib:
 
 
 class _Spinner:
-    """Hybrid progress: polls the UCX worker from the event loop while operations are outstanding.
+    """Hybrid progress: the event loop polls the UCX worker while operations are outstanding, and
+    UCXX's progress thread (asleep in epoll) takes over while none are.
 
     Wait (shrink): the loop spins only between the first `begin()` and the last `end()`, instead of
-    for the process's whole life as UCXX's "polling" mode does."""
+    for the process's whole life as UCXX's "polling" mode does; and only one thread progresses at a
+    time, so two processes on a 2-core machine do not fight four progressing threads for the cores.
+    """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.outstanding = 0
+        self.worker: Any = None
         self._task: asyncio.Task[None] | None = None
 
     def begin(self) -> None:
         self.outstanding += 1
         if self.enabled and self._task is None:
+            self.worker.stop_progress_thread()
             self._task = asyncio.ensure_future(self._spin())
 
     def end(self) -> None:
         self.outstanding -= 1
 
     async def _spin(self) -> None:
-        import ucxx
-
         try:
             while self.outstanding > 0:
-                ucxx.progress()
+                self.worker.progress()
                 await asyncio.sleep(0)
         finally:
+            self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
             self._task = None
 
 
@@ -247,6 +251,8 @@ class UcxTransport(Transport):
         )
         self._lib = _UcxLib()
         self._loop = asyncio.get_running_loop()
+        # The worker object is not public in UCXX's async API; the spinner needs it to progress.
+        self._spinner.worker = ucxx.core._get_ctx().worker
         self._listener = ucxx.create_listener(
             self._on_accept, port=port, connect_timeout=self.settings.connect_timeout_s
         )

@@ -18,7 +18,8 @@ import asyncio
 from dataclasses import dataclass, field
 
 from engine.kv_manager import cdiv
-from engine.worker.role import RequestRecord
+from engine.worker.convert import Finish
+from engine.worker.record import RequestRecord
 from kvtransfer import SendSession
 from kvtransfer.plan import Message
 from splitserve import wire
@@ -35,7 +36,7 @@ class PrefillJob(RequestRecord):
 
     token: int | None = None
     sampled_at: float | None = None
-    finish: int = serving_pb2.FINISH_REASON_UNSPECIFIED
+    finish: Finish = serving_pb2.FINISH_REASON_UNSPECIFIED
     reserved: control_pb2.Reserved | None = None
     session: SendSession | None = None
     shipping: asyncio.Task[None] | None = None

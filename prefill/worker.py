@@ -21,15 +21,12 @@ import time
 
 import structlog
 
-from engine.llm_engine import LLMEngine
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, finish_reason, sampling_params
-from engine.worker.metrics import WorkerMetrics
-from engine.worker.role import RequestRecord, WorkerRole
-from engine.worker.runtime import ControlPlane
-from engine.worker.settings import WorkerSettings
-from engine.worker.stepper import StepLoop, StepReport
+from engine.worker.record import RequestRecord
+from engine.worker.role import WorkerParts, WorkerRole
+from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import SendSession, SessionAborted, TransportError
 from prefill.job import PrefillJob
@@ -44,25 +41,17 @@ PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
 class PrefillWorker(WorkerRole):
     """Owns the prefill worker's jobs (`records`: rid -> PrefillJob) and the early Reserved messages."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        engine: LLMEngine,
-        stepper: StepLoop,
-        control: ControlPlane,
-        metrics: WorkerMetrics,
-        plane: TransferPlane,
-    ) -> None:
-        super().__init__(settings, engine, stepper, control, metrics)
-        engine.scheduler.keep_blocks_on_finish = True  # the KV outlives the prefill: it is shipped
-        engine.scheduler.prefill_only = True
+    def __init__(self, parts: WorkerParts, plane: TransferPlane) -> None:
+        super().__init__(parts)
+        self.engine.scheduler.keep_blocks_on_finish = True  # the KV outlives the prefill: it is shipped
+        self.engine.scheduler.prefill_only = True
         self.plane = plane
-        self.block_size = engine.pool.block_size
+        self.block_size = self.engine.pool.block_size
         self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
 
     # --- coordinator messages -----------------------------------------------------------------------
 
-    async def on_prefill(self, msg: Received) -> None:
+    async def handle_prefill(self, msg: Received) -> None:
         p = msg.envelope.prefill
         req = p.request
         if not self.supersede(req, "prefill"):
@@ -83,14 +72,12 @@ class PrefillWorker(WorkerRole):
             return
         job = PrefillJob(req, seq, p.decode, log.bind(rid=req.rid, request_id=req.request_id))
         self.track(job)
-        early = self._early.get(req.rid)
-        if early is not None and early[1].generation == req.generation and early[0] == job.decode.worker_id:
-            del self._early[req.rid]
-            early[2].cancel()
-            await self._attach(job, early[1])
+        early = self._take_early(req.rid, req.generation, job.decode.worker_id)
+        if early is not None:
+            await self._attach(job, early)
         self.stepper.wake()
 
-    async def on_reassign(self, msg: Received) -> None:
+    async def handle_reassign(self, msg: Received) -> None:
         r = msg.envelope.reassign
         job: PrefillJob | None = self.current(r.rid, r.generation, "reassign")
         if job is None:
@@ -101,25 +88,22 @@ class PrefillWorker(WorkerRole):
         job.peer = r.decode
         job.log.info("decode worker reassigned", decode=r.decode.worker_id)
         self.rearm_lease(job, None)
-        early = self._early.get(r.rid)
-        if early is not None and early[0] == r.decode.worker_id and early[1].generation == r.generation:
-            del self._early[r.rid]
-            early[2].cancel()
-            await self._attach(job, early[1])
+        early = self._take_early(r.rid, r.generation, r.decode.worker_id)
+        if early is not None:
+            await self._attach(job, early)
         elif job.prefilled:
             self.rearm_lease(job, "no Reserved within the lease")
 
-    async def on_abort(self, msg: Received) -> None:
+    async def handle_abort(self, msg: Received) -> None:
         a = msg.envelope.abort
         early = self._early.get(a.rid)
         if early is not None and early[1].generation <= a.generation:
-            del self._early[a.rid]
-            early[2].cancel()
-        await super().on_abort(msg)
+            self._take_early(a.rid, early[1].generation, early[0])
+        await super().handle_abort(msg)
 
     # --- decode worker messages ---------------------------------------------------------------------
 
-    async def on_reserved(self, msg: Received) -> None:
+    async def handle_reserved(self, msg: Received) -> None:
         r = msg.envelope.reserved
         job = self.records.get(r.rid)
         assert job is None or isinstance(job, PrefillJob)
@@ -134,7 +118,7 @@ class PrefillWorker(WorkerRole):
         if job.reserved is None:
             await self._attach(job, r)
 
-    async def on_kv_ack(self, msg: Received) -> None:
+    async def handle_kv_ack(self, msg: Received) -> None:
         k = msg.envelope.kv_ack
         job: PrefillJob | None = self.current(k.rid, k.generation, "kv_ack", msg.sender)
         if job is None:
@@ -153,7 +137,7 @@ class PrefillWorker(WorkerRole):
         for item in scheduled:
             job = self.of_seq(item.seq)
             if job is not None and item.samples and job.reserved is not None and job.shipping is None:
-                job.shipping = asyncio.ensure_future(self._ship(job))
+                job.shipping = self.spawn(self._ship, job)
 
     async def on_step(self, report: StepReport) -> None:
         self.note_started(report)
@@ -168,7 +152,7 @@ class PrefillWorker(WorkerRole):
             if job.reserved is None:  # a held result: wait for Reserved under a lease
                 self.rearm_lease(job, "no Reserved within the lease")
             elif job.shipping is None:  # Reserved came during the last step
-                job.shipping = asyncio.ensure_future(self._ship(job))
+                job.shipping = self.spawn(self._ship, job)
 
     # --- shipping -----------------------------------------------------------------------------------
 
@@ -180,7 +164,7 @@ class PrefillWorker(WorkerRole):
         job.reserved = r
         self.rearm_lease(job, None)
         if job.prefilled:  # otherwise shipping starts when the last chunk is scheduled
-            job.shipping = asyncio.ensure_future(self._ship(job))
+            job.shipping = self.spawn(self._ship, job)
 
     async def _ship(self, job: PrefillJob) -> None:
         """The job's whole transfer: session, sends (KVChunkReady before each batch), KVDone. Runs as a
@@ -202,7 +186,8 @@ class PrefillWorker(WorkerRole):
         except (TransportError, SessionAborted) as exc:
             await self.fail(job, PEER_FAILED, f"KV transfer failed: {exc}")
             return
-        self.metrics.transfer_bytes.labels("send").inc(len(src) * self.plane.block_bytes)
+        sent_blocks = sum(m.num_blocks for m in job.messages[: job.sent_messages])
+        self.metrics.transfer_bytes.labels("send").inc(sent_blocks * self.plane.block_bytes)
         self.metrics.transfer_seconds.labels("send").observe(time.monotonic() - started)
         assert job.token is not None and job.sampled_at is not None
         done = control_pb2.KVDone(
@@ -211,7 +196,7 @@ class PrefillWorker(WorkerRole):
             token_id=job.token,
             num_chunks=job.chunks,
             num_tokens=job.num_kv_tokens,
-            finish_reason=job.finish,  # type: ignore[arg-type]
+            finish_reason=job.finish,
             kv_transfer_ms=(time.monotonic() - job.sampled_at) * 1e3,
         )
         if not await self.to_peer(job.decode, kv_done=done):
@@ -239,6 +224,15 @@ class PrefillWorker(WorkerRole):
                 job.session.abort(outcome)  # releases them once no send can still read them
 
     # --- ending -------------------------------------------------------------------------------------
+
+    def _take_early(self, rid: int, generation: int, sender: str) -> control_pb2.Reserved | None:
+        """Remove and return the kept Reserved of (rid, generation) from `sender`, if there is one."""
+        early = self._early.get(rid)
+        if early is None or early[0] != sender or early[1].generation != generation:
+            return None
+        del self._early[rid]
+        early[2].cancel()
+        return early[1]
 
     def _stash(self, sender: str, r: control_pb2.Reserved) -> None:
         old = self._early.pop(r.rid, None)

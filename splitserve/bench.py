@@ -14,6 +14,7 @@ field). Every request streams; we record the arrival of each token to derive:
 from __future__ import annotations
 
 import argparse
+from collections import Counter
 import asyncio
 import json
 import math
@@ -72,6 +73,7 @@ class BenchResult:
     slo_ttft_ms: float
     slo_tpot_ms: float
     slo_attainment: float
+    errors: dict[str, int]
     inputs: dict[str, Any]
 
 
@@ -105,6 +107,7 @@ def summarize(
         slo_ttft_ms=args.slo_ttft_ms,
         slo_tpot_ms=args.slo_tpot_ms,
         slo_attainment=met / len(traces),
+        errors=dict(Counter(t.error for t in traces if t.error)),
         inputs={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k != "_module"},
     )
 
@@ -128,6 +131,8 @@ def workload(args: argparse.Namespace, vocab: int) -> list[tuple[list[int] | str
 async def run_rate(
     address: str, items: list[tuple[list[int] | str, int]], rate: float, args: argparse.Namespace
 ) -> tuple[list[RequestTrace], float]:
+    import grpc
+
     from splitserve.client import Client
 
     rng = random.Random(args.seed + 1)
@@ -149,8 +154,8 @@ async def run_rate(
                     if event.WhichOneof("event") == "delta":
                         now = time.perf_counter()
                         trace.token_times.extend([now] * len(event.delta.token_ids))
-            except Exception as exc:  # a failed request is a recorded miss, not a crash
-                trace.error = type(exc).__name__
+            except grpc.aio.AioRpcError as exc:  # a failed request is a recorded miss, not a crash
+                trace.error = f"{exc.code().name}: {exc.details()}"
 
         start = time.perf_counter()
         tasks = []
@@ -196,6 +201,9 @@ def print_table(results: list[BenchResult]) -> None:
             f"{r.itl_ms['p50']:>9.1f}{r.itl_ms['p99']:>8.1f}{r.slo_attainment:>6.0%}"
         )
     print("(milliseconds; slo = share of requests meeting both the TTFT and the TPOT SLO)")
+    for r in results:
+        for error, count in r.errors.items():
+            print(f"{r.mode} rate {r.rate:g}: {count} failed with {error}")
 
 
 def run(args: argparse.Namespace) -> int:

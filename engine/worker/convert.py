@@ -7,6 +7,7 @@ so two generations of one rid can never be confused inside one engine.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import TypeAlias
 
 from engine.block_pool import BlockPool
 from engine.sampling_params import SamplingParams
@@ -15,6 +16,7 @@ from splitserve import wire
 from splitserve.v1 import control_pb2, serving_pb2
 
 _SEED_MASK = (1 << 63) - 1
+Finish: TypeAlias = serving_pb2.FinishReason.ValueType
 
 
 def engine_request_id(rid: int, generation: int) -> str:
@@ -45,7 +47,7 @@ def sampling_params(req: control_pb2.ExecutionRequest) -> SamplingParams:
     )
 
 
-def finish_reason(seq: Sequence, eos_token_ids: Seq[int]) -> int:
+def finish_reason(seq: Sequence, eos_token_ids: Seq[int]) -> Finish:
     """The proto FinishReason of a sequence the scheduler finished (UNSPECIFIED if it goes on)."""
     if seq.finish_reason is FinishReason.LENGTH:
         return serving_pb2.FINISH_REASON_LENGTH
@@ -65,7 +67,7 @@ def tokens_message(
     logprobs: Seq[float] | None = None,
     top: Seq[Seq[tuple[int, float]]] = (),
     top_n: int = 0,
-    finish: int = serving_pb2.FINISH_REASON_UNSPECIFIED,
+    finish: Finish = serving_pb2.FINISH_REASON_UNSPECIFIED,
 ) -> control_pb2.Tokens:
     """One `Tokens` item. `logprobs` is None when the request did not ask for them; `top[i]` holds the
     `top_n` alternatives of token i."""
@@ -74,7 +76,7 @@ def tokens_message(
         generation=generation,
         offset=offset,
         token_ids=wire.pack_ids(list(token_ids)),
-        finish_reason=finish,  # type: ignore[arg-type]
+        finish_reason=finish,
     )
     if logprobs is not None:
         lp = msg.logprobs

@@ -6,6 +6,7 @@ the event loop thread; the HTTP thread only renders them.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -144,9 +145,12 @@ class HealthServer:
         host, port = self._httpd.server_address[:2]
         return f"{host!s}:{port}"
 
-    def tick(self) -> None:
-        """Called from the event loop: proves to /livez that the loop is running."""
-        self.last_tick = time.monotonic()
+    async def keep_alive(self) -> None:
+        """Run on the worker's event loop for its whole life: each tick proves to /livez that the loop
+        runs (whatever the coordinator does)."""
+        while True:
+            self.last_tick = time.monotonic()
+            await asyncio.sleep(self.live_within_s / 5)  # the tick period /livez checks against
 
     def close(self) -> None:
         self._httpd.shutdown()

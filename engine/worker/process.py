@@ -21,7 +21,7 @@ import structlog
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.worker.metrics import HealthServer, WorkerMetrics
-from engine.worker.role import WorkerRole
+from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.runtime import ControlPlane, RegistrationError
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
@@ -49,6 +49,7 @@ class Worker:
         self.control: ControlPlane | None = None
         self.role: WorkerRole | None = None
         self._step_task: asyncio.Task[None] | None = None
+        self._live_task: asyncio.Task[None] | None = None
         self._closed = False
 
     async def start(self) -> dict[str, Any]:
@@ -58,6 +59,7 @@ class Worker:
             self.transfer = await TransferPlane.listen(s, self.engine, self.metrics)
             self.transfer.on_release = self.stepper.wake  # freed blocks may let waiting work run
         self.health = HealthServer(s.advertise_host, s.metrics_port, self.metrics, self._ready)
+        self._live_task = asyncio.create_task(self.health.keep_alive(), name="livez")
         self.control = ControlPlane(
             s,
             self.engine.pool,
@@ -66,7 +68,6 @@ class Worker:
             self.engine.max_model_len,
             self.transfer.address if self.transfer else "",
             self.metrics,
-            self.health,
         )
         if self.transfer is not None:
             self.control.on_peers = self._preconnect
@@ -83,15 +84,15 @@ class Worker:
         }
 
     def _make_role(self, control: ControlPlane) -> WorkerRole:
-        args = (self.settings, self.engine, self.stepper, control, self.metrics)
+        parts = WorkerParts(self.settings, self.engine, self.stepper, control, self.metrics)
         if self.settings.role == "prefill":
             from prefill.worker import PrefillWorker
 
             assert self.transfer is not None
-            return PrefillWorker(*args, self.transfer)
+            return PrefillWorker(parts, self.transfer)
         from decode.worker import DecodeWorker
 
-        return DecodeWorker(*args, self.transfer)
+        return DecodeWorker(parts, self.transfer)
 
     def _preconnect(self, peers: list[control_pb2.Peer]) -> None:
         assert self.transfer is not None
@@ -140,6 +141,8 @@ class Worker:
             await self.control.close()
         if self.transfer is not None:
             await self.transfer.close()
+        if self._live_task is not None:
+            self._live_task.cancel()
         if self.health is not None:
             self.health.close()
 

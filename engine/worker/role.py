@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import structlog
@@ -22,6 +22,7 @@ from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.worker.convert import finish_reason, tokens_message
 from engine.worker.metrics import WorkerMetrics
+from engine.worker.record import RequestRecord
 from engine.worker.runtime import ControlPlane
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
@@ -30,58 +31,29 @@ from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 Reason: TypeAlias = control_pb2.AbortReason.ValueType
+_FROM_COORDINATOR = frozenset({"prefill", "decode", "reassign", "abort"})
+_FROM_PEERS = frozenset({"reserved", "kv_chunk_ready", "kv_done", "kv_ack", "abort"})
 
 
-@dataclass(slots=True, eq=False)
-class RequestRecord:
-    """A role's state for one (rid, generation). `peer` is the other worker of the transfer (P's decode
-    worker, D's prefill worker; None when D prefills locally). Timers are disarmed by `_end`."""
+@dataclass(slots=True)
+class WorkerParts:
+    """The parts of one worker a role works with; built by `engine.worker.process.Worker`."""
 
-    req: control_pb2.ExecutionRequest
-    seq: Sequence
-    peer: control_pb2.WorkerEndpoint | None
-    log: Any
-    arrived: float = field(default_factory=time.monotonic)
-    started: float | None = None
-    lease: asyncio.TimerHandle | None = None
-    deadline: asyncio.TimerHandle | None = None
-    num_kv_tokens: int = field(init=False)  # prompt + output at arrival: the KV a prefill produces
-
-    def __post_init__(self) -> None:
-        self.num_kv_tokens = self.seq.num_tokens
-
-    @property
-    def rid(self) -> int:
-        return self.req.rid
-
-    @property
-    def generation(self) -> int:
-        return self.req.generation
-
-    def disarm(self) -> None:
-        for timer in (self.lease, self.deadline):
-            if timer is not None:
-                timer.cancel()
-        self.lease = self.deadline = None
+    settings: WorkerSettings
+    engine: LLMEngine
+    stepper: StepLoop
+    control: ControlPlane
+    metrics: WorkerMetrics
 
 
 class WorkerRole:
-    """Base class; subclasses implement `on_<kind>` for the messages they accept, `_release`, and the
+    """Base class; subclasses implement `handle_<kind>` for the messages they accept, `_release`, and the
     StepHandler methods."""
 
-    def __init__(
-        self,
-        settings: WorkerSettings,
-        engine: LLMEngine,
-        stepper: StepLoop,
-        control: ControlPlane,
-        metrics: WorkerMetrics,
-    ) -> None:
-        self.settings = settings
-        self.engine = engine
-        self.stepper = stepper
-        self.control = control
-        self.metrics = metrics
+    def __init__(self, parts: WorkerParts) -> None:
+        self.settings, self.engine, self.stepper = parts.settings, parts.engine, parts.stepper
+        self.control, self.metrics = parts.control, parts.metrics
+        engine = parts.engine
         self.eos_token_ids = engine.loaded.config.eos_token_ids
         self.accepting = True
         self.idle = asyncio.Event()
@@ -91,12 +63,15 @@ class WorkerRole:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._background: set[asyncio.Task[Any]] = set()
-        stepper.handler = self  # type: ignore[assignment]  # subclasses implement StepHandler
+        parts.stepper.handler = self  # type: ignore[assignment]  # subclasses implement StepHandler
 
     # --- dispatch and the request table -------------------------------------------------------------
 
     async def handle(self, msg: Received) -> None:
-        handler = getattr(self, f"on_{msg.kind}", None)
+        """Dispatch to `handle_<kind>`; a message from the wrong side (a peer sending what only the
+        coordinator may send, or the reverse) or of a kind this role does not take is dropped."""
+        allowed = _FROM_PEERS if msg.sender else _FROM_COORDINATOR
+        handler = getattr(self, f"handle_{msg.kind}", None) if msg.kind in allowed else None
         if handler is None:
             log.warning("message not handled by this role", kind=msg.kind, sender=msg.sender)
             self.metrics.stale_messages.labels(msg.kind or "empty").inc()
@@ -176,7 +151,7 @@ class WorkerRole:
             await self.to_peer(rec.peer, abort=abort)
         await self.to_coordinator(abort=abort)
 
-    async def on_abort(self, msg: Received) -> None:
+    async def handle_abort(self, msg: Received) -> None:
         a = msg.envelope.abort
         rec = self.records.get(a.rid)
         if rec is not None and msg.sender and (rec.peer is None or rec.peer.worker_id != msg.sender):
@@ -296,11 +271,12 @@ class WorkerRole:
             lease_s = self.settings.lease_ms / 1e3
             rec.lease = self.later(lease_s, self.fail, rec, control_pb2.ABORT_REASON_LEASE_EXPIRED, message)
 
-    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> asyncio.Task[None]:
         """Run `fn(*args)` as a task the role keeps a reference to; failures are logged."""
-        task = asyncio.ensure_future(fn(*args))
+        task: asyncio.Task[None] = asyncio.ensure_future(fn(*args))
         self._background.add(task)
         task.add_done_callback(self._task_done)
+        return task
 
     def _task_done(self, task: asyncio.Task[Any]) -> None:
         self._background.discard(task)

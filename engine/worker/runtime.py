@@ -18,7 +18,7 @@ import zmq.asyncio
 
 from engine.block_pool import BlockPool
 from engine.worker.convert import pool_state
-from engine.worker.metrics import HealthServer, WorkerMetrics
+from engine.worker.metrics import WorkerMetrics
 from engine.worker.peers import PeerLinks
 from engine.worker.settings import WorkerSettings
 from splitserve import wire
@@ -83,11 +83,9 @@ class ControlPlane:
         context_length: int,
         transfer_address: str,
         metrics: WorkerMetrics,
-        health: HealthServer | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
-        self.health = health
         self.pool = pool
         self.kv_layout = kv_layout
         self.model_identity = model_identity
@@ -239,8 +237,6 @@ class ControlPlane:
             await self.send_heartbeat()
             self.metrics.observe_pool(self.pool)
             self.metrics.observe_queues(self.role.queue_depths())
-            if self.health is not None:
-                self.health.tick()
             await asyncio.sleep(self.heartbeat_interval_s)  # the heartbeat period itself
 
     async def send_heartbeat(self) -> None:

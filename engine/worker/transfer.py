@@ -134,13 +134,17 @@ class TransferPlane:
                 task.add_done_callback(_log_connect_failure)
 
     def hold(self, block_ids: list[int]) -> Callable[[list[int]], None]:
-        """Take a session's reference on `block_ids`; returns the release callback that drops it."""
+        """Take a session's reference on `block_ids`; returns the callback that drops it. The callback
+        is idempotent (kvtransfer calls it on abort, the owner after a completed receive; either may
+        come first), so the reference is dropped exactly once."""
         pool = self.engine.pool
         pool.touch(block_ids)
+        held = [list(block_ids)]
 
-        def release(ids: list[int]) -> None:
-            pool.free(ids)
-            self.on_release()
+        def release(_: list[int]) -> None:
+            if held:
+                pool.free(held.pop())
+                self.on_release()
 
         return release
 

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
+import contextlib
 import json
 import random
+import signal
 import sys
 from typing import Any
 
@@ -99,7 +102,13 @@ class Agent:
     # -- receiver side ----------------------------------------------------------------------------
 
     async def op_reserve(
-        self, rid: str, gen: int, n_blocks: int, peer: str, post: bool = True, config: dict[str, Any] | None = None
+        self,
+        rid: str,
+        gen: int,
+        n_blocks: int,
+        peer: str,
+        post: bool = True,
+        config: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Reserve `n_blocks` (sentinel-filled) and, if `post`, open a RecvSession posting them."""
         ids = self.pool.allocate(n_blocks)
@@ -108,11 +117,19 @@ class Agent:
         fill_sentinel(self.cache, ids)
         if post:
             session = RecvSession(
-                self._peer(peer), self._key(rid, gen), self.cache, ids, self.pool.free, SessionConfig(**(config or {}))
+                self._peer(peer),
+                self._key(rid, gen),
+                self.cache,
+                ids,
+                self.pool.free,
+                SessionConfig(**(config or {})),
             )
             session.start()
             self.recv_sessions[session.key] = session
-        return {"block_ids": ids, "messages": len(self.recv_sessions[self._key(rid, gen)].messages) if post else 0}
+        return {
+            "block_ids": ids,
+            "messages": len(self.recv_sessions[self._key(rid, gen)].messages) if post else 0,
+        }
 
     async def op_free(self, block_ids: list[int]) -> dict[str, Any]:
         self.pool.free(block_ids)
@@ -121,11 +138,15 @@ class Agent:
     async def op_untouched(self, block_ids: list[int]) -> dict[str, Any]:
         return {"untouched": is_sentinel(self.cache, block_ids)}
 
-    async def op_mark_done(self, rid: str, gen: int, first_token: int, checksums: list[int] | None = None) -> dict[str, Any]:
+    async def op_mark_done(
+        self, rid: str, gen: int, first_token: int, checksums: list[int] | None = None
+    ) -> dict[str, Any]:
         self.recv_sessions[self._key(rid, gen)].mark_done(first_token, checksums)
         return {}
 
-    async def op_wait_recv(self, rid: str, gen: int, seed: int | None = None, keep: bool = False) -> dict[str, Any]:
+    async def op_wait_recv(
+        self, rid: str, gen: int, seed: int | None = None, keep: bool = False
+    ) -> dict[str, Any]:
         """Wait for the session's end; on success check the data against `seed`, free unless `keep`."""
         session = self.recv_sessions.pop(self._key(rid, gen))
         try:
@@ -158,14 +179,23 @@ class Agent:
                 raise RuntimeError(f"cannot allocate {len(dst_ids)} blocks")
             fill_blocks(self.cache, ids, seed)
             self.send_sessions[key] = SendSession(
-                self._peer(peer), key, self.cache, ids, dst_ids, self.pool.free, SessionConfig(**(config or {}))
+                self._peer(peer),
+                key,
+                self.cache,
+                ids,
+                dst_ids,
+                self.pool.free,
+                SessionConfig(**(config or {})),
             )
         session = self.send_sessions[key]
         try:
             await session.send(upto)
         except SessionAborted as e:
             return {"sent": False, "reason": e.reason}
-        return {"sent": True, "checksums": block_checksums(self.cache, session.block_ids) if checksums else None}
+        return {
+            "sent": True,
+            "checksums": block_checksums(self.cache, session.block_ids) if checksums else None,
+        }
 
     async def op_ack(self, rid: str, gen: int) -> dict[str, Any]:
         self.send_sessions.pop(self._key(rid, gen)).acknowledged()
@@ -185,10 +215,8 @@ class Agent:
         if session is None:
             raise RuntimeError(f"no session {key}")
         session.abort(reason)
-        try:
+        with contextlib.suppress(SessionAborted):
             await session.wait()
-        except SessionAborted:
-            pass
         return {"state": session.state.value}
 
     # -- dispatch ---------------------------------------------------------------------------------
@@ -210,7 +238,9 @@ class Agent:
 async def serve(args: argparse.Namespace) -> None:
     layout = KVLayout.from_dict(json.loads(args.layout))
     settings = UcxSettings(
-        progress_mode=args.progress_mode, options=dict(kv.split("=", 1) for kv in args.ucx_opt), tuned=not args.stock
+        progress_mode=args.progress_mode,
+        options=dict(kv.split("=", 1) for kv in args.ucx_opt),
+        tuned=not args.stock,
     )
     transport = create_transport(args.backend, layout, settings)
     address = await transport.start(args.advertise or args.host, args.port)
@@ -268,14 +298,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--stock", action="store_true", help="UCX with UCXX's stock settings, not ours")
     p.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
+    p.add_argument("--die-with-parent", action="store_true", help="exit when the spawning process dies")
     return p.parse_args(argv)
 
 
+def _die_with_parent() -> None:
+    """Linux: get SIGKILL when the process that spawned us dies, so no agent outlives its bench."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.die_with_parent:
+        _die_with_parent()
     # stdout carries only the ready line (a parent may stop reading it); logs go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    asyncio.run(serve(parse_args(argv)))
+    asyncio.run(serve(args))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

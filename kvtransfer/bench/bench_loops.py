@@ -54,7 +54,9 @@ def new_ring(size: int, seed: int | None, device: str = "cpu") -> list[torch.Ten
         if seed is None:
             buf = torch.zeros(size, dtype=torch.uint8)
         else:
-            buf = torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(seed + j), dtype=torch.uint8)
+            buf = torch.randint(
+                0, 256, (size,), generator=torch.Generator().manual_seed(seed + j), dtype=torch.uint8
+            )
         ring.append(buf.to(device))
     return ring
 
@@ -107,7 +109,9 @@ class BenchLoops:
         """Allocate a fresh ring (seeded on the sender, zeroed on the receiver)."""
         return {"ring": len(self._fresh_ring(size, seed, device))}
 
-    async def op_bench_recv(self, peer: str, iters: int, tag_base: int, verify: bool = False) -> dict[str, Any]:
+    async def op_bench_recv(
+        self, peer: str, iters: int, tag_base: int, verify: bool = False
+    ) -> dict[str, Any]:
         """Post `iters` receives (at most MAX_POSTED ahead, never two on one buffer) and time them."""
         ring, remote = self._ring, self._peer(peer)
         window = min(len(ring), MAX_POSTED)

@@ -34,17 +34,25 @@ def _csv(convert: Callable[[str], T]) -> Callable[[str], list[T]]:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="kvbench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a benchmark and print a table")
-    run.add_argument("--backend", type=_csv(str), default=["ucx", "tcp"], help="ucx, ucx-stock (UCXX defaults), tcp")
+    run.add_argument(
+        "--backend", type=_csv(str), default=["ucx", "tcp"], help="ucx, ucx-stock (UCXX defaults), tcp"
+    )
     run.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES))
     run.add_argument("--depth", type=_csv(int), default=[1], help="messages in flight (a sweep)")
-    run.add_argument("--duration", type=float, default=2.0, help="seconds per measured run (after a warm-up run)")
+    run.add_argument(
+        "--duration", type=float, default=2.0, help="seconds per measured run (after a warm-up run)"
+    )
     run.add_argument("--repeats", type=int, default=3)
     run.add_argument("--progress-mode", default=None, help="UCX progress mode (default: kvtransfer's)")
     run.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE", help="extra UCX option")
-    run.add_argument("--peer", default=None, metavar="tcp://HOST:PORT", help="control endpoint of `kvbench serve`")
+    run.add_argument(
+        "--peer", default=None, metavar="tcp://HOST:PORT", help="control endpoint of `kvbench serve`"
+    )
     run.add_argument("--model-shape", default=None, help="a name from engine.shapes.SHAPES")
     run.add_argument("--tokens", type=_csv(parse_tokens), default=[128, 1024, 4096, 32768])
     run.add_argument("--block-size", type=int, default=16)
@@ -124,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if args.command == "serve":
-        layout = runner.RAW_LAYOUT if args.model_shape is None else runner.model_layout(args.model_shape, args.block_size)
+        layout = (
+            runner.RAW_LAYOUT
+            if args.model_shape is None
+            else runner.model_layout(args.model_shape, args.block_size)
+        )
         agent_argv = [*runner.BACKEND_ARGS[args.backend], "--layout", json.dumps(layout.to_dict())]
         agent_argv += ["--num-blocks", str(args.num_blocks)]
         agent_argv += ["--host", args.host, "--advertise", args.advertise, "--port", str(args.port)]

@@ -77,11 +77,13 @@ class SpawnedAgent:
     def address(self) -> str:
         return str(self.info["address"])
 
-    def stop(self) -> None:
-        """Kill the process if it still runs and reap it."""
-        if self.process.poll() is None:
+    def stop(self, grace_s: float = 0.0) -> None:
+        """Reap the process, killing it if it has not exited within `grace_s`."""
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
             self.process.kill()
-        self.process.wait()
+            self.process.wait()
 
 
 def spawn_agent(args: Sequence[str], log: IO[str] | None = None, timeout: float = 60.0) -> SpawnedAgent:
@@ -89,7 +91,7 @@ def spawn_agent(args: Sequence[str], log: IO[str] | None = None, timeout: float 
 
     The agent's logs (stderr) go to `log`, or to our stderr."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.bench.agent", *args], stdout=subprocess.PIPE, stderr=log, text=True
+        [sys.executable, "-m", "kvtransfer.bench.agent", *args, "--die-with-parent"], stdout=subprocess.PIPE, stderr=log, text=True
     )
     assert process.stdout is not None
     # Wait (protects an invariant): nobody may talk to the agent before it listens. Libraries may

@@ -15,7 +15,16 @@ from typing import Any, TextIO
 
 Row = dict[str, Any]
 
-UNITS = {"B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "K": 1000, "KB": 1000, "MB": 10**6, "GB": 10**9}
+UNITS = {
+    "B": 1,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "K": 1000,
+    "KB": 1000,
+    "MB": 10**6,
+    "GB": 10**9,
+}
 
 COLUMNS = [
     ("backend", "backend", "{}"),
@@ -97,7 +106,10 @@ def table(rows: Sequence[Row], columns: Sequence[tuple[str, str, str]] = COLUMNS
     for r in rows:
         cells.append([fmt.format(r[k]) if r.get(k) is not None else "-" for k, _, fmt in present])
     widths = [max(len(row[i]) for row in cells) for i in range(len(present))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))) for row in cells]
+    lines = [
+        "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -131,7 +143,12 @@ def plot(rows: Sequence[Row], memcpy: dict[int, float], path: Path) -> None:
         mine = [r for r in rows if r["backend"] == backend]
         depth = mine[0].get("depth")
         mine = sorted((r for r in mine if r.get("depth") == depth), key=lambda r: r["size_bytes"])
-        ax.plot([r["size_bytes"] for r in mine], [r["gbps"] for r in mine], "o-", label=f"{backend} (depth {depth})")
+        ax.plot(
+            [r["size_bytes"] for r in mine],
+            [r["gbps"] for r in mine],
+            "o-",
+            label=f"{backend} (depth {depth})",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("GB/s (10^9 bytes/s)")

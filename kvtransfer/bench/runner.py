@@ -7,6 +7,7 @@ from the last run, and the last run is verified (CRC-32 of every ring buffer on 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -18,11 +19,15 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from kvtransfer import KVLayout
-from kvtransfer.bench.control import AgentClient, SpawnedAgent, spawn_agent
+from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
 from kvtransfer.bench.report import Progress, Row, format_size
 
 # Variants of `--backend`: the agent arguments each one means.
-BACKEND_ARGS = {"ucx": ["--backend", "ucx"], "ucx-stock": ["--backend", "ucx", "--stock"], "tcp": ["--backend", "tcp"]}
+BACKEND_ARGS = {
+    "ucx": ["--backend", "ucx"],
+    "ucx-stock": ["--backend", "ucx", "--stock"],
+    "tcp": ["--backend", "tcp"],
+}
 RAW_LAYOUT = KVLayout("uint8", 1, 1, 1, 1, "kvbench-raw")
 GIB = 1 << 30
 
@@ -62,16 +67,25 @@ class Agents:
     transport: str
     spawned: list[SpawnedAgent]
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Shut the agents we spawned down cleanly (a remote `serve` keeps running)."""
+        for agent, client in zip(self.spawned[::-1], (self.send, self.recv), strict=False):
+            with contextlib.suppress(AgentError, TimeoutError):
+                await client.call("shutdown", timeout=10)
+            agent.stop(grace_s=10)
         self.recv.close()
         self.send.close()
-        for agent in self.spawned:
-            agent.stop()
 
 
 async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blocks: int) -> Agents:
     """Spawn the sender (and, without `--peer`, the receiver) and connect sender -> receiver."""
-    args = [*cfg.agent_args(backend), "--layout", json.dumps(layout.to_dict()), "--num-blocks", str(num_blocks)]
+    args = [
+        *cfg.agent_args(backend),
+        "--layout",
+        json.dumps(layout.to_dict()),
+        "--num-blocks",
+        str(num_blocks),
+    ]
     spawned = []
     if cfg.peer is None:
         spawned.append(spawn_agent([*args, "--fragment", "1"], cfg.agent_log))
@@ -83,27 +97,47 @@ async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blo
     receiver_address = (await recv.call("info"))["address"]
     connected = await send.call("connect", address=receiver_address)
     sender_address = (await send.call("info"))["address"]
-    return Agents(recv, send, receiver_address, sender_address, connected["connect_s"] * 1e3, connected["transports"], spawned)
+    return Agents(
+        recv,
+        send,
+        receiver_address,
+        sender_address,
+        connected["connect_s"] * 1e3,
+        connected["transports"],
+        spawned,
+    )
 
 
 def _tag_base() -> int:
     return random.getrandbits(31) << 32
 
 
-async def _raw_run(agents: Agents, iters: int, depth: int, verify: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+async def _raw_run(
+    agents: Agents, iters: int, depth: int, verify: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
     import asyncio
 
     tag = _tag_base()
     recv, send = await asyncio.gather(
-        agents.recv.call("bench_recv", peer=agents.sender_address, iters=iters, tag_base=tag, verify=verify, timeout=600),
+        agents.recv.call(
+            "bench_recv", peer=agents.sender_address, iters=iters, tag_base=tag, verify=verify, timeout=600
+        ),
         agents.send.call(
-            "bench_send", peer=agents.receiver_address, iters=iters, tag_base=tag, depth=depth, verify=verify, timeout=600
+            "bench_send",
+            peer=agents.receiver_address,
+            iters=iters,
+            tag_base=tag,
+            depth=depth,
+            verify=verify,
+            timeout=600,
         ),
     )
     return recv, send
 
 
-async def raw_sweep(cfg: BenchConfig, backend: str, memcpy: dict[int, float], progress: Progress) -> list[Row]:
+async def raw_sweep(
+    cfg: BenchConfig, backend: str, memcpy: dict[int, float], progress: Progress
+) -> list[Row]:
     agents = await start_agents(cfg, backend, RAW_LAYOUT, 1)
     rows = []
     try:
@@ -116,11 +150,14 @@ async def raw_sweep(cfg: BenchConfig, backend: str, memcpy: dict[int, float], pr
                 _, warm = await _raw_run(agents, warm_iters, depth, verify=False)
                 per_iter = (time.perf_counter() - t0) / warm_iters
                 iters = max(ring, 2 * depth, math.ceil(cfg.duration_s / per_iter))
-                runs = [await _raw_run(agents, iters, depth, verify=i == cfg.repeats - 1) for i in range(cfg.repeats)]
+                runs = [
+                    await _raw_run(agents, iters, depth, verify=i == cfg.repeats - 1)
+                    for i in range(cfg.repeats)
+                ]
                 rows.append(_raw_row(cfg, backend, size, depth, iters, memcpy[size], agents, warm, runs))
                 progress.step(f"{backend} {format_size(size)} depth {depth}")
     finally:
-        agents.close()
+        await agents.close()
     return rows
 
 
@@ -167,7 +204,10 @@ def _raw_row(
 def _inputs(cfg: BenchConfig, backend: str) -> Row:
     return {
         "duration_s": cfg.duration_s,
-        "settings": {"agent_args": cfg.agent_args(backend), "env_ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX")}},
+        "settings": {
+            "agent_args": cfg.agent_args(backend),
+            "env_ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
+        },
         "command": cfg.command,
         "host": os.uname().nodename,
     }
@@ -178,11 +218,15 @@ def model_layout(shape: str, block_size: int) -> KVLayout:
     try:
         from engine.shapes import SHAPES
     except ImportError as e:
-        raise SystemExit(f"--model-shape needs engine/shapes.py (SHAPES), which is not importable: {e}") from e
+        raise SystemExit(
+            f"--model-shape needs engine/shapes.py (SHAPES), which is not importable: {e}"
+        ) from e
     if shape not in SHAPES:
         raise SystemExit(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     c = SHAPES[shape]
-    return KVLayout(str(c.torch_dtype), c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, shape)
+    return KVLayout(
+        str(c.torch_dtype), c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, shape
+    )
 
 
 async def model_sweep(
@@ -200,13 +244,23 @@ async def model_sweep(
             times, verified, messages = [], True, 0
             for i in range(cfg.repeats + 1):  # the first is the warm-up
                 rid, last = f"bench-{tokens}-{i}", i == cfg.repeats
-                reserved = await agents.recv.call("reserve", rid=rid, gen=0, n_blocks=n, peer=agents.sender_address)
+                reserved = await agents.recv.call(
+                    "reserve", rid=rid, gen=0, n_blocks=n, peer=agents.sender_address
+                )
                 messages = reserved["messages"]
                 t0 = time.perf_counter()
                 sent = await agents.send.call(
-                    "send", rid=rid, gen=0, peer=agents.receiver_address, dst_ids=reserved["block_ids"], seed=i, checksums=last
+                    "send",
+                    rid=rid,
+                    gen=0,
+                    peer=agents.receiver_address,
+                    dst_ids=reserved["block_ids"],
+                    seed=i,
+                    checksums=last,
                 )
-                await agents.recv.call("mark_done", rid=rid, gen=0, first_token=1, checksums=sent["checksums"])
+                await agents.recv.call(
+                    "mark_done", rid=rid, gen=0, first_token=1, checksums=sent["checksums"]
+                )
                 result = await agents.recv.call("wait_recv", rid=rid, gen=0)
                 elapsed = time.perf_counter() - t0
                 await agents.send.call("ack", rid=rid, gen=0)
@@ -243,6 +297,5 @@ async def model_sweep(
             )
             progress.step(f"{backend} {cfg.model_shape} {tokens} tokens")
     finally:
-        agents.close()
+        await agents.close()
     return rows
-

@@ -11,7 +11,9 @@ import pytest
 from kvtransfer import KVLayout
 from kvtransfer.bench.control import AgentClient, SpawnedAgent, spawn_agent
 
-LAYOUT = KVLayout(dtype="float16", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, model_identity="tiny")
+LAYOUT = KVLayout(
+    dtype="float16", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, model_identity="tiny"
+)
 NUM_BLOCKS = 64
 
 

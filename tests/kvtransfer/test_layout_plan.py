@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from typing import Any
 
 import pytest
 import torch
@@ -24,8 +26,8 @@ def test_layout_block_bytes_and_cache() -> None:
 
 def test_layout_digest_is_stable_and_covers_every_field() -> None:
     assert LAYOUT.digest() == KVLayout.from_dict(LAYOUT.to_dict()).digest()
-    changed = {"dtype": "bfloat16", "num_layers": 3, "block_size": 8, "num_kv_heads": 1, "head_dim": 16}
-    for name, value in {**changed, "model_identity": "other"}.items():
+    changed: dict[str, Any] = {"dtype": "bfloat16", "num_layers": 3, "block_size": 8, "num_kv_heads": 1}
+    for name, value in {**changed, "head_dim": 16, "model_identity": "other"}.items():
         other = dataclasses.replace(LAYOUT, **{name: value})
         assert other.digest() != LAYOUT.digest()
         with pytest.raises(LayoutMismatch) as e:
@@ -48,10 +50,10 @@ def test_plan_direct_runs_and_packed_fragments() -> None:
 
 
 def test_plan_tiles_the_sequence_within_the_size_cap() -> None:
-    dst = list(range(100, 120)) + [5, 9, 11, 13] + list(range(30, 33))
+    dst = [*list(range(100, 120)), 5, 9, 11, 13, *list(range(30, 33))]
     plan = plan_messages(dst, block_bytes=100, max_message_bytes=500, min_direct_bytes=200)
     assert plan[0].start == 0 and plan[-1].stop == len(dst)
-    assert all(a.stop == b.start for a, b in zip(plan, plan[1:], strict=False))
+    assert all(a.stop == b.start for a, b in itertools.pairwise(plan))
     assert all(m.num_blocks <= 5 for m in plan)
     for m in plan:
         assert m.direct == (consecutive_start(dst[m.start : m.stop]) is not None and m.num_blocks >= 2)

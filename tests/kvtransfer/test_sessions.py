@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import Mapping
 
 import pytest
 
@@ -14,10 +16,14 @@ SMALL = {"max_message_bytes": 4 << 10, "min_direct_bytes": 2 << 10}
 
 
 async def test_bit_exact_into_non_contiguous_blocks(pair: Pair) -> None:
-    reserved = await pair.recv.call("reserve", rid="r1", gen=0, n_blocks=24, peer=pair.sender.address, config=SMALL)
+    reserved = await pair.recv.call(
+        "reserve", rid="r1", gen=0, n_blocks=24, peer=pair.sender.address, config=SMALL
+    )
     ids = reserved["block_ids"]
-    assert any(b != a + 1 for a, b in zip(ids, ids[1:], strict=False)), "reservation should be fragmented"
-    sent = await pair.send.call("send", rid="r1", gen=0, peer=pair.receiver.address, dst_ids=ids, seed=7, config=SMALL)
+    assert any(b != a + 1 for a, b in itertools.pairwise(ids)), "reservation should be fragmented"
+    sent = await pair.send.call(
+        "send", rid="r1", gen=0, peer=pair.receiver.address, dst_ids=ids, seed=7, config=SMALL
+    )
     assert sent["sent"], sent
     await pair.recv.call("mark_done", rid="r1", gen=0, first_token=42, checksums=sent["checksums"])
     result = await pair.recv.call("wait_recv", rid="r1", gen=0, seed=7)
@@ -26,11 +32,19 @@ async def test_bit_exact_into_non_contiguous_blocks(pair: Pair) -> None:
     await pair.pools_free()
 
 
-async def _start_half(pair: Pair, rid: str, config: dict[str, float]) -> list[int]:
+async def _start_half(pair: Pair, rid: str, config: Mapping[str, float]) -> list[int]:
     """Reserve 24 blocks on the receiver and send the first half of them."""
-    reserved = await pair.recv.call("reserve", rid=rid, gen=0, n_blocks=24, peer=pair.sender.address, config=config)
+    reserved = await pair.recv.call(
+        "reserve", rid=rid, gen=0, n_blocks=24, peer=pair.sender.address, config=config
+    )
     sent = await pair.send.call(
-        "send", rid=rid, gen=0, peer=pair.receiver.address, dst_ids=reserved["block_ids"], upto=12, config=config
+        "send",
+        rid=rid,
+        gen=0,
+        peer=pair.receiver.address,
+        dst_ids=reserved["block_ids"],
+        upto=12,
+        config=config,
     )
     assert sent["sent"], sent
     return list(reserved["block_ids"])
@@ -68,10 +82,14 @@ async def test_sender_killed_frees_receiver_pool(own_agents: tuple[SpawnedAgent,
 
 
 async def test_unposted_receiver_is_never_written(pair: Pair) -> None:
-    reserved = await pair.recv.call("reserve", rid="r5", gen=0, n_blocks=8, peer=pair.sender.address, post=False)
+    reserved = await pair.recv.call(
+        "reserve", rid="r5", gen=0, n_blocks=8, peer=pair.sender.address, post=False
+    )
     ids = reserved["block_ids"]
     # UCX may complete small (eager) sends locally; either way nobody acknowledges, the lease ends it.
-    await pair.send.call("send", rid="r5", gen=0, peer=pair.receiver.address, dst_ids=ids, config={"lease_s": 0.5})
+    await pair.send.call(
+        "send", rid="r5", gen=0, peer=pair.receiver.address, dst_ids=ids, config={"lease_s": 0.5}
+    )
     assert (await pair.send.call("wait_send", rid="r5", gen=0))["reason"] == "lease expired"
     assert (await pair.recv.call("untouched", block_ids=ids))["untouched"]
     await pair.recv.call("free", block_ids=ids)

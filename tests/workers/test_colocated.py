@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 from engine.llm import LLM
 from engine.sampling_params import SamplingParams
@@ -92,3 +93,13 @@ async def test_heartbeats_report_the_prefix_cache_changes(cluster: Cluster) -> N
         stored |= set(wire.unpack_hashes(env.heartbeat.prefix_cache.stored))
     want = {int.from_bytes(h[:8], "little") for h in worker.engine.pool.cached_hashes()}
     assert stored == want and len(want) >= 3
+
+
+async def test_a_deadline_passing_mid_generation_aborts_and_releases(cluster: Cluster) -> None:
+    worker = await cluster.start("colocated", "colo-0", num_blocks=400)
+    req = execution_request(1, [5, 6, 7, 8], 1500, identity=worker.engine.loaded.identity)
+    req.deadline_unix_ns = time.time_ns() + 300_000_000
+    await cluster.coordinator.send("colo-0", decode={"request": req})
+    _, env = await cluster.coordinator.expect("abort")
+    assert (env.abort.rid, env.abort.reason) == (1, control_pb2.ABORT_REASON_DEADLINE_EXCEEDED)
+    await cluster.coordinator.assert_pool_clean("colo-0")

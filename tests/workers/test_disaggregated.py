@@ -249,3 +249,17 @@ async def test_preempted_request_resumes_through_prefill_with_identical_output(
     for rid, prompt in prompts.items():
         assert tokens[rid] == greedy(prompt, 30)
     await assert_quiescent(cluster, p, d)
+
+
+async def test_a_dead_prefill_worker_ends_the_reservation_waiting_for_its_kv(cluster: Cluster) -> None:
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0")
+    coord = cluster.coordinator
+    req = execution_request(4, random_prompt(random.Random(10), 20), 4, identity=p.engine.loaded.identity)
+    await coord.send("d0", decode={"request": req, "prefill": endpoint(p)})  # P never gets the Prefill
+    await wait_until(lambda: 4 in p.role._early, "D's Reserved to reach P")  # type: ignore[union-attr]
+    assert d.engine.pool.num_held_blocks > 0
+    await p.close()  # the KV connection breaks: D's session ends, D gives the request up
+    _, env = await coord.expect("abort")
+    assert (env.abort.rid, env.abort.reason) == (4, control_pb2.ABORT_REASON_PEER_FAILED)
+    await assert_quiescent(cluster, d)

@@ -1,0 +1,61 @@
+"""kvbench end to end at toy sizes: two real agent processes per backend, every output written."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from kvtransfer.bench import cli
+from kvtransfer.bench.report import parse_size, parse_tokens
+
+REQUIRED = {
+    "backend",
+    "size_bytes",
+    "gbps",
+    "memcpy_gbps",
+    "ratio",
+    "p50_us",
+    "p99_us",
+    "verified",
+    "command",
+}
+
+
+def test_size_and_token_parsing() -> None:
+    assert [parse_size(s) for s in ("64KiB", "4MiB", "1GiB", "1000")] == [65536, 4 << 20, 1 << 30, 1000]
+    assert [parse_tokens(t) for t in ("128", "1k", "32k")] == [128, 1024, 32768]
+
+
+def test_raw_sweep_writes_json_csv_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = ["run", "--backend", "ucx,tcp", "--sizes", "256KiB,1MiB", "--duration", "0.05", "--repeats", "1"]
+    argv += ["--json", str(out), "--csv", str(tmp_path / "rows.csv"), "--plot", str(tmp_path / "bw.png")]
+    argv += ["--agent-log", str(tmp_path / "agents.log")]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["backend"], r["size_bytes"]) for r in rows] == [
+        ("ucx", 256 << 10),
+        ("ucx", 1 << 20),
+        ("tcp", 256 << 10),
+        ("tcp", 1 << 20),
+    ]
+    for r in rows:
+        assert r.keys() >= REQUIRED and r["verified"] is True and r["gbps"] > 0
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["memcpy_gbps"])
+    assert rows[0]["transport"].startswith("ucx:") and rows[2]["transport"] == "tcp"
+    assert len(list(csv.DictReader((tmp_path / "rows.csv").open()))) == 4
+    assert (tmp_path / "bw.png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert printed.index("memcpy baseline") < printed.index("GB/s")
+
+
+def test_model_shape_mode_moves_a_prompts_kv(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = ["run", "--backend", "tcp", "--model-shape", "llama-2l", "--tokens", "100,1k", "--repeats", "1"]
+    assert cli.main([*argv, "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["tokens"], r["blocks"]) for r in rows] == [(100, 7), (1024, 64)]
+    assert all(r["verified"] and r["transfer_ms"] > 0 for r in rows)
