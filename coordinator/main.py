@@ -43,35 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def configure_logging() -> None:
-    """structlog to stderr: JSON when stderr is not a terminal, readable otherwise."""
-    import logging
-    import sys
-
-    import structlog
-
-    renderer: structlog.typing.Processor = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
-    )
-    structlog.configure(
-        processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso"),
-            structlog.processors.format_exc_info,
-            renderer,
-        ],
-        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
     from coordinator.app import CoordinatorConfig
+    from splitserve.logs import configure_logging
 
-    configure_logging()
+    configure_logging(role="coordinator")
     keys = tuple(k.strip() for k in os.environ.get(args.api_key_env, "").split(",") if k.strip())
     config = CoordinatorConfig(
         model=args.model,

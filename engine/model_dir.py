@@ -20,7 +20,12 @@ def _tiny_recipe_digest() -> str:
 
     root = Path(engine.__file__).parent
     h = hashlib.sha256()
-    for path in [root / "tiny.py", root / "shapes.py", root / "model_config.py", *sorted((root / "data").glob("*"))]:
+    for path in [
+        root / "tiny.py",
+        root / "shapes.py",
+        root / "model_config.py",
+        *sorted((root / "data").glob("*")),
+    ]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:12]
 

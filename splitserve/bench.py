@@ -14,12 +14,12 @@ field). Every request streams; we record the arrival of each token to derive:
 from __future__ import annotations
 
 import argparse
-from collections import Counter
 import asyncio
 import json
 import math
 import random
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any

@@ -149,7 +149,7 @@ class Worker:
 
 def run_worker(args: argparse.Namespace, role: str) -> int:
     """The body of `splitserve prefill|decode`: load, start, print the readiness line, serve, drain."""
-    from engine.worker.logs import configure_logging
+    from splitserve.logs import configure_logging
 
     settings = settings_from_args(args, role)
     configure_logging(role=role, worker_id=settings.worker_id)

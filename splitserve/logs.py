@@ -1,4 +1,4 @@
-"""structlog set-up for a worker process: JSON lines on stderr when it is not a terminal, else console."""
+"""structlog set-up for every splitserve process: JSON lines on stderr when it is not a terminal, else console."""
 
 from __future__ import annotations
 
