@@ -16,6 +16,7 @@ and unmodified until the operation finished (`PostedRecv.wait()` returned / `sen
 
 from __future__ import annotations
 
+import asyncio
 import json
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -108,6 +109,7 @@ class Transport(ABC):
         self.layout = layout
         self.address = ""
         self._peers: dict[str, Peer] = {}
+        self._connecting: dict[str, asyncio.Future[Peer]] = {}
 
     @abstractmethod
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -127,9 +129,16 @@ class Transport(ABC):
         Raises LayoutMismatch when the peer's layout differs, TransportError when it cannot connect.
         """
         peer = self._peers.get(address)
-        if peer is None or peer.lost:
-            peer = await self._connect(address)
-            self._peers[address] = peer
+        if peer is not None and not peer.lost:
+            return peer
+        # Concurrent callers for one address share one connection attempt.
+        pending = self._connecting.get(address)
+        if pending is None:
+            pending = asyncio.ensure_future(self._connect(address))
+            self._connecting[address] = pending
+            pending.add_done_callback(lambda _: self._connecting.pop(address, None))
+        peer = await asyncio.shield(pending)
+        self._peers[address] = peer
         return peer
 
     def peer(self, address: str) -> Peer | None:

@@ -20,6 +20,7 @@ import asyncio
 import ctypes
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,11 +119,15 @@ class _Spinner:
     time, so two processes on a 2-core machine do not fight four progressing threads for the cores.
     """
 
+    LINGER_S = 0.01  # keep polling this long after the last operation: back-to-back messages
+    # would otherwise stop and restart the progress thread once each
+
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
         self.outstanding = 0
         self.worker: Any = None
         self._task: asyncio.Task[None] | None = None
+        self._idle_since = 0.0
 
     def begin(self) -> None:
         self.outstanding += 1
@@ -132,10 +137,12 @@ class _Spinner:
 
     def end(self) -> None:
         self.outstanding -= 1
+        if self.outstanding == 0:
+            self._idle_since = time.monotonic()
 
     async def _spin(self) -> None:
         try:
-            while self.outstanding > 0:
+            while self.outstanding > 0 or time.monotonic() - self._idle_since < self.LINGER_S:
                 self.worker.progress()
                 await asyncio.sleep(0)
         finally:
@@ -144,6 +151,9 @@ class _Spinner:
 
 
 class UcxPostedRecv(PostedRecv):
+    """A posted UCX tag receive. Its `wait()` must be awaited: until then hybrid progress counts it
+    as outstanding."""
+
     def __init__(self, peer: UcxPeer, request: Any) -> None:
         self._peer = peer
         self._request = request

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import contextlib
+import ctypes
 import json
 import random
 import signal

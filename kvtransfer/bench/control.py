@@ -91,7 +91,10 @@ def spawn_agent(args: Sequence[str], log: IO[str] | None = None, timeout: float 
 
     The agent's logs (stderr) go to `log`, or to our stderr."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.bench.agent", *args, "--die-with-parent"], stdout=subprocess.PIPE, stderr=log, text=True
+        [sys.executable, "-m", "kvtransfer.bench.agent", *args, "--die-with-parent"],
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
     )
     assert process.stdout is not None
     # Wait (protects an invariant): nobody may talk to the agent before it listens. Libraries may

@@ -210,6 +210,7 @@ def _inputs(cfg: BenchConfig, backend: str) -> Row:
         },
         "command": cfg.command,
         "host": os.uname().nodename,
+        "load1": os.getloadavg()[0],  # other work on a shared machine skews absolute numbers
     }
 
 

@@ -197,7 +197,8 @@ async def test_held_prefill_result_expires_its_lease(cluster: Cluster) -> None:
 async def test_preempted_request_resumes_through_prefill_with_identical_output(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
-    p = await cluster.start("prefill", "p0")
+    # the refused request waits in P until the other finishes: a long lease keeps load from expiring it
+    p = await cluster.start("prefill", "p0", lease_ms=120_000)
     d = await cluster.start("decode", "d0", num_blocks=12)  # 48 token slots for two 12 + 30 token requests
     coord, rng = cluster.coordinator, random.Random(8)
     identity = p.engine.loaded.identity
