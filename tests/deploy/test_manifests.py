@@ -372,3 +372,20 @@ def test_image_build_is_pinned_non_root_and_ships_every_package() -> None:
     packages = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
     for pattern in packages["include"]:
         assert f"!{pattern.rstrip('*')}" in allowed, pattern
+
+
+def test_autoscalers_read_series_the_workers_export(m: Manifests) -> None:
+    """An HPA on a metric no worker exports would never scale: check names and labels against the
+    workers' real registry."""
+    from engine.worker.metrics import WorkerMetrics
+
+    metrics = WorkerMetrics("prefill", "p0")
+    metrics.observe_queues({"waiting": 0, "running": 0})
+    exported = {sample.name: sample.labels for family in metrics.registry.collect() for sample in family.samples}
+    hpas = m.of_kind("HorizontalPodAutoscaler")
+    for hpa in hpas:
+        for spec in hpa["spec"]["metrics"]:
+            metric = spec["pods"]["metric"]
+            assert metric["name"] in exported, f"{hpa['metadata']['name']}: {metric['name']} is not exported"
+            for key in metric.get("selector", {}).get("matchLabels", {}):
+                assert key in exported[metric["name"]], f"{metric['name']} has no label {key}"
