@@ -181,7 +181,11 @@ class RecvSession(_Session):
                 self.abort(f"peer lost: {e}")
                 return
             self._posted.append(posted)
-            self._landed.append(asyncio.ensure_future(self._land(posted, ids, staging)))
+            landed = asyncio.ensure_future(self._land(posted, ids, staging))
+            # checked once the task is done: KVDone may arrive before the last byte lands (TCP's
+            # sender finishes when the kernel has the bytes), and a landing task cannot see itself done
+            landed.add_done_callback(lambda _: self._maybe_finish())
+            self._landed.append(landed)
 
     async def _land(self, posted: PostedRecv, ids: list[int], staging: torch.Tensor | None) -> bool:
         try:
@@ -191,8 +195,6 @@ class RecvSession(_Session):
             return False
         if landed and staging is not None:
             scatter_blocks(self.cache, self._ids(ids), staging)
-        if landed:
-            self._maybe_finish()
         return landed
 
     def mark_done(self, first_token: int, checksums: Sequence[int] | None = None) -> None:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import structlog
 
 
-def configure_logging(level: str = "info", **bound: str) -> None:
-    """Route every structlog logger to stderr (stdout carries only the readiness line) and bind
+def configure_logging(level: str | None = None, **bound: str) -> None:
+    """Route every structlog logger to stderr (level: `level`, else $SPLITSERVE_LOG_LEVEL, else info) (stdout carries only the readiness line) and bind
     `bound` (role, worker_id) to every event of the process. Request ids are bound per event."""
+    level = level or os.environ.get("SPLITSERVE_LOG_LEVEL", "info")
     renderer: structlog.types.Processor = (
         structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
     )
