@@ -381,7 +381,9 @@ def test_autoscalers_read_series_the_workers_export(m: Manifests) -> None:
 
     metrics = WorkerMetrics("prefill", "p0")
     metrics.observe_queues({"waiting": 0, "running": 0})
-    exported = {sample.name: sample.labels for family in metrics.registry.collect() for sample in family.samples}
+    exported = {
+        sample.name: sample.labels for family in metrics.registry.collect() for sample in family.samples
+    }
     hpas = m.of_kind("HorizontalPodAutoscaler")
     for hpa in hpas:
         for spec in hpa["spec"]["metrics"]:
@@ -389,3 +391,33 @@ def test_autoscalers_read_series_the_workers_export(m: Manifests) -> None:
             assert metric["name"] in exported, f"{hpa['metadata']['name']}: {metric['name']} is not exported"
             for key in metric.get("selector", {}).get("matchLabels", {}):
                 assert key in exported[metric["name"]], f"{metric['name']} has no label {key}"
+
+
+def _cli_flags(command: str) -> set[str]:
+    from splitserve.cli import build_parser
+
+    parser = build_parser(command)
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]  # type: ignore[union-attr]
+    return {s for a in sub._actions for s in a.option_strings}
+
+
+def test_every_container_command_parses_with_the_real_cli(m: Manifests) -> None:
+    """The manifests call `splitserve <command> --flag=...`: each flag must exist in that command."""
+    from splitserve.cli import build_parser
+
+    for role, container, _ in m.containers():
+        args = [re.sub(r"\$\((\w+)\)", "x", a) for a in container.get("args", [])]
+        command = args[0]
+        build_parser(command).parse_args(args)  # exits (fails the test) on an unknown flag
+        flags = {a.split("=")[0] for a in args[1:] if a.startswith("--")}
+        assert flags <= _cli_flags(command), f"{role}/{container['name']}: {flags - _cli_flags(command)}"
+
+
+def test_configmap_settings_are_worker_flags(m: Manifests) -> None:
+    """Every SPLITSERVE_<FLAG> the ConfigMap sets is read by some role (else it is silently ignored)."""
+    flags = _cli_flags("prefill") | _cli_flags("decode") | _cli_flags("coordinator")
+    for cm in m.of_kind("ConfigMap"):
+        for key in cm.get("data", {}):
+            if key.startswith("SPLITSERVE_"):
+                flag = "--" + key.removeprefix("SPLITSERVE_").lower().replace("_", "-")
+                assert flag in flags, f"{key} matches no flag of any role"
