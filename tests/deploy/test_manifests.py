@@ -212,12 +212,15 @@ def test_no_privileged_containers_and_no_service_account_token(m: Manifests, cas
 def test_network_policy_shape(m: Manifests) -> None:
     config = m.config()
     lo, hi = (int(p) for p in config["UCX_TCP_PORT_RANGE"].split("-"))
-    kvbench_port = int(re.findall(r"kvbench serve --port (\d+)", (REPO / "deploy/README.md").read_text())[0])
+    serve = re.findall(
+        r"kvbench serve .*--port (\d+) --control-port (\d+)", (REPO / "deploy/README.md").read_text()
+    )
+    kvbench_ports = [int(p) for p in serve[0]]
     worker_port = m.container_ports("prefill")
     coord_port = m.container_ports("coordinator")
     for role in WORKERS:
         assert m.allowed_roles(role, worker_port["control"]) == {"coordinator", *WORKERS}
-        for port in (worker_port["transfer"], kvbench_port, lo, hi):
+        for port in (worker_port["transfer"], *kvbench_ports, lo, hi):
             assert m.allowed_roles(role, port) == set(WORKERS), port
         assert m.allowed_roles(role, worker_port["metrics"]) is None  # Prometheus, any namespace
     assert m.allowed_roles("coordinator", coord_port["control"]) == set(WORKERS)
@@ -421,3 +424,14 @@ def test_configmap_settings_are_worker_flags(m: Manifests) -> None:
             if key.startswith("SPLITSERVE_"):
                 flag = "--" + key.removeprefix("SPLITSERVE_").lower().replace("_", "-")
                 assert flag in flags, f"{key} matches no flag of any role"
+
+
+def test_readme_kvbench_commands_parse_with_the_real_kvbench() -> None:
+    """deploy/README.md's RDMA check must be runnable as written."""
+    from kvtransfer.bench.cli import parse_args
+
+    lines = re.findall(r"-- (kvbench (?:serve|run) [^&\n]*)", (REPO / "deploy/README.md").read_text())
+    assert len(lines) == 2
+    for line in lines:
+        argv = [re.sub(r'"?\$[A-Z_]+"?', "10.0.0.5", a).strip('"') for a in line.split()[1:]]
+        parse_args(argv)  # exits (fails the test) on an unknown or missing flag
