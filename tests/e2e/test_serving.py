@@ -131,3 +131,26 @@ async def test_deadline_exceeded_ends_the_stream_and_releases(cluster: LocalClus
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert got.finish_reason == ""
         assert_pools_clean(await wait_quiescent(client))
+
+
+async def test_logprobs_match_transformers(cluster: LocalCluster, model_dir: object) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    prompt = [7, 99, 250, 31, 512, 64, 8]
+    async with client_for(cluster) as client:
+        events = [e async for e in client.generate(prompt, max_tokens=6, temperature=0.0, logprobs=3)]
+    deltas = [e.delta for e in events if e.WhichOneof("event") == "delta"]
+    tokens = [t for d in deltas for t in d.token_ids]
+    logprobs = [lp for d in deltas for lp in d.logprobs]
+    assert len(logprobs) == len(tokens) == 6
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for i, (token, lp) in enumerate(zip(tokens, logprobs, strict=True)):
+        assert lp.token_id == token
+        assert abs(lp.logprob - float(expected[i, token])) < 1e-3
+        top = expected[i].topk(3)
+        assert [t.token_id for t in lp.top] == top.indices.tolist()
+        assert [t.logprob for t in lp.top] == pytest.approx(top.values.tolist(), abs=1e-3)
