@@ -227,7 +227,12 @@ class RecvSession(_Session):
 
 
 class SendSession(_Session):
-    """Prefill side: sends `src_block_ids` into the receiver's `dst_block_ids`, message by message."""
+    """Prefill side: sends `src_block_ids` into the receiver's `dst_block_ids`, message by message.
+
+    The sources may be a prefix of the sequence's blocks (chunked prefill has not made the rest yet):
+    `extend_sources` appends blocks as they become final, and `send(upto)` needs sources up to `upto`.
+    `release` receives every source id ever given.
+    """
 
     def __init__(
         self,
@@ -239,9 +244,10 @@ class SendSession(_Session):
         release: Release,
         config: SessionConfig | None = None,
     ) -> None:
-        if len(src_block_ids) != len(dst_block_ids):
+        if len(src_block_ids) > len(dst_block_ids):
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} reserved blocks")
         super().__init__(peer, key, cache, src_block_ids, dst_block_ids, release, config or SessionConfig())
+        self.num_blocks = len(dst_block_ids)
         self._next = 0
         self._inflight = asyncio.Semaphore(self.config.max_inflight)
         self._sends: list[asyncio.Task[None]] = []
@@ -250,7 +256,9 @@ class SendSession(_Session):
         """Send every message whose blocks all lie below logical block `upto` (None: all blocks) and
         return once they are delivered; raises SessionAborted if the session ended. Call again (one
         call at a time) as prefill produces more blocks; ship KVDone only after `send()` returned."""
-        limit = len(self.block_ids) if upto is None else upto
+        limit = self.num_blocks if upto is None else upto
+        if limit > len(self.block_ids):
+            raise ValueError(f"send(upto={limit}) but only {len(self.block_ids)} source blocks are known")
         while self._next < len(self.messages) and self.messages[self._next].stop <= limit:
             if self.state is not SessionState.ACTIVE:
                 break
@@ -274,6 +282,12 @@ class SendSession(_Session):
             self.abort(f"send failed: {e}")
         finally:
             self._inflight.release()
+
+    def extend_sources(self, src_block_ids: Sequence[int]) -> None:
+        """Append source blocks (the next logical blocks, in order) whose KV is now final."""
+        if len(self.block_ids) + len(src_block_ids) > self.num_blocks:
+            raise ValueError(f"more than {self.num_blocks} source blocks for this session")
+        self.block_ids.extend(src_block_ids)
 
     def checksums(self) -> list[int]:
         """Per-block CRC-32 of the source blocks, to ship with KVDone for end-to-end verification."""

@@ -7,14 +7,15 @@ Block index map (`start` = Reserved.kv_start_token // block_size; "logical" = th
     Reserved.block_ids:                 [ 0 .................................... n-start-1 ]
 
 kvtransfer splits the logical blocks into messages from D's ids alone (kvtransfer.plan), so both
-sides agree without talking. P sends a message once all of its blocks are computed and final; each
-batch of messages sent together is one KVChunkReady ("chunk"). Blocks are final when the prefill
-finished, or, while the last chunk's forward runs, every block that chunk does not write.
+sides agree without talking. P sends a message once all of its blocks are computed and final (after
+each prefill step, while the next chunk computes); each batch of messages sent together is one
+KVChunkReady ("chunk"). A block is final once every token in it has been computed.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kv_manager import cdiv
@@ -43,7 +44,7 @@ class PrefillJob(RequestRecord):
     messages: list[Message] = field(default_factory=list)
     sent_messages: int = 0
     chunks: int = 0
-    prefill_finished: asyncio.Event = field(default_factory=asyncio.Event)
+    holds: list[Callable[[list[int]], None]] = field(default_factory=list)
 
     @property
     def decode(self) -> control_pb2.WorkerEndpoint:
@@ -113,6 +114,12 @@ class PrefillJob(RequestRecord):
         self.sent_messages += n
         self.chunks += 1
         return chunk
+
+    def release_holds(self, _src_ids: list[int]) -> None:
+        """The session's release: drop its reference on every source block it was given, once."""
+        for release in self.holds:
+            release(_src_ids)
+        self.holds.clear()
 
     def reset_transfer(self) -> None:
         """Forget the destination (after a Reassign); the session was already ended by the caller."""

@@ -3,8 +3,8 @@
 Per request (control.proto has the messages):
 
     Prefill ──► queued in the engine (token budget, chunked prefill across requests, prefix cache)
-    last chunk scheduled + Reserved known ──► kvtransfer SendSession into D's reserved blocks; the
-      blocks already final are sent while the last chunk's forward runs (KVChunkReady per batch)
+    Reserved known ──► kvtransfer SendSession into D's reserved blocks; after every prefill step the
+      blocks that became final are sent (one KVChunkReady per batch) while the next chunk computes
     first token sampled ──► PrefillDone to the coordinator at once; the last blocks are sent
     all sends delivered ──► KVDone(token 1) to D ──► KVAck from D ──► blocks released (the prefix
       cache keeps them findable)
@@ -21,7 +21,6 @@ import time
 
 import structlog
 
-from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, finish_reason, sampling_params
 from engine.worker.record import RequestRecord
@@ -48,6 +47,7 @@ class PrefillWorker(WorkerRole):
         self.plane = plane
         self.block_size = self.engine.pool.block_size
         self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
+        self._step_done = asyncio.Event()  # replaced after each step: a broadcast to shipping tasks
 
     # --- coordinator messages -----------------------------------------------------------------------
 
@@ -132,13 +132,6 @@ class PrefillWorker(WorkerRole):
     async def on_preempted(self, seqs: list[Sequence]) -> None:
         """The scheduler re-queues them (no session exists before the last chunk is scheduled)."""
 
-    def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
-        """Before the forward: a job whose last chunk runs now starts shipping its final blocks."""
-        for item in scheduled:
-            job = self.of_seq(item.seq)
-            if job is not None and item.samples and job.reserved is not None and job.shipping is None:
-                job.shipping = self.spawn(self._ship, job)
-
     async def on_step(self, report: StepReport) -> None:
         self.note_started(report)
         for out in report.outputs:
@@ -147,12 +140,14 @@ class PrefillWorker(WorkerRole):
                 continue  # ended during the step
             job.token, job.sampled_at = out.new_token_ids[0], time.monotonic()
             job.finish = finish_reason(job.seq, self.eos_token_ids)
-            job.prefill_finished.set()
             await self.send_prefill_done(job, out)
             if job.reserved is None:  # a held result: wait for Reserved under a lease
                 self.rearm_lease(job, "no Reserved within the lease")
             elif job.shipping is None:  # Reserved came during the last step
                 job.shipping = self.spawn(self._ship, job)
+        # after every job's token is recorded, so a woken shipper sees whether its prefill finished
+        self._step_done.set()
+        self._step_done = asyncio.Event()
 
     # --- shipping -----------------------------------------------------------------------------------
 
@@ -163,26 +158,28 @@ class PrefillWorker(WorkerRole):
             return
         job.reserved = r
         self.rearm_lease(job, None)
-        if job.prefilled:  # otherwise shipping starts when the last chunk is scheduled
-            job.shipping = self.spawn(self._ship, job)
+        job.shipping = self.spawn(self._ship, job)
 
     async def _ship(self, job: PrefillJob) -> None:
-        """The job's whole transfer: session, sends (KVChunkReady before each batch), KVDone. Runs as a
-        task that `_stop_shipping` cancels when the job ends first."""
+        """The job's whole transfer, from Reserved on: after each prefill step the blocks that became
+        final go to D (one KVChunkReady per batch) while the next chunk computes; once token 1 is
+        sampled the rest follow, then KVDone. Runs as a task that `_stop_shipping` cancels when the
+        job ends first."""
         try:
             peer = await self.plane.peer(job.decode.transfer_address)
-            src, dst = job.src_blocks(self.block_size), job.dst_blocks()
+            dst = job.dst_blocks()
             key = session_key(job.rid, job.generation)
-            session = SendSession(
-                peer, key, self.plane.cache, src, dst, self.plane.hold(src), self.plane.config
-            )
+            session = SendSession(peer, key, self.plane.cache, [], dst, job.release_holds, self.plane.config)
             job.session, job.messages = session, session.messages
             started = time.monotonic()
-            if not job.prefilled:  # overlap: what is final now goes while the last chunk's forward runs
-                await self._send(job, session, job.final_blocks(self.block_size))
-                await job.prefill_finished.wait()  # protects an invariant: the last blocks are written
+            while True:
+                step_done = self._step_done  # taken first: a step ending meanwhile still wakes us
+                if job.prefilled:
+                    break
+                await self._send(job, session, self._final_sources(job, session))
+                await step_done.wait()  # protects an invariant: a block is shipped only once final
             if not job.ends_at_first_token:  # else D needs no more KV
-                await self._send(job, session, len(src))
+                await self._send(job, session, self._final_sources(job, session))
         except (TransportError, SessionAborted) as exc:
             await self.fail(job, PEER_FAILED, f"KV transfer failed: {exc}")
             return
@@ -203,6 +200,16 @@ class PrefillWorker(WorkerRole):
             await self.fail(job, PEER_FAILED, "decode worker not reading")
             return
         self.rearm_lease(job, "no KVAck within the lease")
+
+    def _final_sources(self, job: PrefillJob, session: SendSession) -> int:
+        """Hand the session every block that is final now (each held by the session until it ends);
+        returns how many logical blocks it has."""
+        have, final = len(session.block_ids), job.final_blocks(self.block_size)
+        if final > have:
+            new = job.src_blocks(self.block_size)[have:final]
+            job.holds.append(self.plane.hold(new))
+            session.extend_sources(new)
+        return len(session.block_ids)
 
     async def _send(self, job: PrefillJob, session: SendSession, upto: int) -> None:
         """Announce, then send, every message below logical block `upto` (returns once delivered)."""

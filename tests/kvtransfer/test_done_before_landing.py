@@ -40,3 +40,35 @@ async def test_session_completes_whether_done_or_data_comes_first(done_first: bo
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_sources_can_arrive_chunk_by_chunk() -> None:
+    """The sender learns its source blocks as prefill finishes them; each send covers what is known."""
+    layout = KVLayout("float32", 1, 2, 1, 4, "model")
+    prefill, decode = TcpTransport(layout), TcpTransport(layout)
+    await prefill.start()
+    await decode.start()
+    try:
+        to_prefill = await decode.connect(prefill.address)
+        while (to_decode := prefill.peer(decode.address)) is None:
+            await asyncio.sleep(0.01)  # bounded below by the test timeout: the accept handler's last step
+        src = torch.randn(12, 1, 2, 2, 1, 4)
+        dst = torch.zeros_like(src)
+        src_ids, dst_ids = [0, 1, 5, 6, 9], [2, 3, 4, 8, 11]
+        config = SessionConfig(lease_s=20.0, max_message_bytes=src[0].numel() * 4, min_direct_bytes=1)
+        recv = RecvSession(to_prefill, SessionKey("r2", 0), dst, dst_ids, lambda _: None, config)
+        recv.start()
+        send = SendSession(to_decode, SessionKey("r2", 0), src, [], dst_ids, lambda _: None, config)
+        with pytest.raises(ValueError, match="source blocks are known"):
+            await send.send(1)
+        for first, last in ((0, 2), (2, 3), (3, 5)):
+            send.extend_sources(src_ids[first:last])
+            await asyncio.wait_for(send.send(last), 10)
+        with pytest.raises(ValueError, match="more than 5 source blocks"):
+            send.extend_sources([7])
+        recv.mark_done(first_token=1)
+        assert await asyncio.wait_for(recv.wait(), 10) == 1
+        assert torch.equal(dst[dst_ids], src[src_ids])
+    finally:
+        await prefill.close()
+        await decode.close()

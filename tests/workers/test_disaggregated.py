@@ -264,3 +264,27 @@ async def test_a_dead_prefill_worker_ends_the_reservation_waiting_for_its_kv(clu
     _, env = await coord.expect("abort")
     assert (env.abort.rid, env.abort.reason) == (4, control_pb2.ABORT_REASON_PEER_FAILED)
     await assert_quiescent(cluster, d)
+
+
+async def test_kv_streams_chunk_by_chunk_while_the_prefill_computes(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    # 96 prompt tokens at 16 a step: 6 prefill steps; 1-block KV messages. With Reserved known before
+    # the first step, the blocks each step finishes ship while the next step computes, so the KV
+    # arrives in several chunks (shipping only at the last chunk could make at most 2).
+    p = await cluster.start("prefill", "p0", max_num_batched_tokens=16, kv_blocks_per_message=1)
+    d = await cluster.start("decode", "d0", kv_blocks_per_message=1)
+    coord, rng = cluster.coordinator, random.Random(11)
+    prompt = random_prompt(rng, 96)
+    req = execution_request(1, prompt, 4, identity=p.engine.loaded.identity)
+    await coord.send(d.settings.worker_id, decode={"request": req, "prefill": endpoint(p)})
+    assert p.role is not None
+    await wait_until(lambda: 1 in p.role._early, "D's Reserved to reach P")  # type: ignore[union-attr]
+    await coord.send(p.settings.worker_id, prefill={"request": req, "decode": endpoint(d)})
+    got = await coord.collect({1})
+    assert got[1] == (greedy(prompt, 4), LENGTH)
+    chunks = d.metrics.registry.get_sample_value(
+        "splitserve_worker_kv_transfer_chunks_total", {"direction": "recv"}
+    )
+    assert chunks is not None and chunks >= 3, f"the KV came in {chunks} chunk(s), not streamed"
+    await assert_quiescent(cluster, p, d)
