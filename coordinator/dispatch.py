@@ -32,6 +32,7 @@ from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import EndEvent, RequestRecord, RequestState, RequestTable
 from coordinator.router import Placement, Router
 from coordinator.workers import WorkerRegistry
+from splitserve import wire
 from splitserve.control import envelope
 from splitserve.v1 import control_pb2
 
@@ -112,6 +113,11 @@ class Dispatcher:
 
     # -- placement -----------------------------------------------------------------------------------
     def _num_tokens(self, record: RequestRecord) -> int:
+        """Tokens of the sequence a decode worker must hold: as dispatched to the current
+        generation's prefill worker (tokens streamed since are not in its KV), else as it stands."""
+        sent = record.dispatched
+        if sent is not None and sent.generation == record.generation:
+            return wire.ids_array(sent.prompt_token_ids).size + wire.ids_array(sent.output_token_ids).size
         return len(record.admitted.prompt_token_ids) + len(record.output_token_ids)
 
     def _dispatch(self, record: RequestRecord, placement: Placement) -> None:
@@ -121,6 +127,7 @@ class Dispatcher:
         record.decode_worker = placement.decode.worker_id
         self.router.commit(placement)
         request = record.admitted.execution_request(record.rid, record.generation, record.output_token_ids)
+        record.dispatched = request
         log.debug(
             "placed",
             rid=record.rid,
@@ -151,8 +158,9 @@ class Dispatcher:
         assert decode is not None and prefill is not None
         record.state = RequestState.RUNNING
         record.decode_worker = decode_id
+        request = record.dispatched
+        assert request is not None and request.generation == record.generation
         self.router.commit_decode(decode, self._num_tokens(record))
-        request = record.admitted.execution_request(record.rid, record.generation, record.output_token_ids)
         log.info("re-placed decode", rid=record.rid, generation=record.generation, decode=decode_id)
         self.post(
             decode_id, envelope(decode=control_pb2.Decode(request=request, prefill=prefill.register.endpoint))

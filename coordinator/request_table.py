@@ -94,6 +94,9 @@ class RequestRecord:
     prefill_worker: str | None = None  # the colocated worker's id too, when colocated
     decode_worker: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
+    # what the current generation's workers were sent: a re-placed decode worker must reserve for
+    # exactly the sequence the prefill worker computes, not for tokens streamed since
+    dispatched: control_pb2.ExecutionRequest | None = None
     events: asyncio.Queue[OutputEvent] = field(default_factory=asyncio.Queue)
     stats: RequestStats = field(default_factory=RequestStats)
     enqueued_at: float = field(default_factory=time.monotonic)

@@ -191,6 +191,33 @@ async def test_reserve_failed_re_places_the_decode_and_reassigns_the_prefill(
     assert [i for r in responses if r.HasField("delta") for i in r.delta.token_ids] == [500, 501]
 
 
+async def test_a_re_placed_decode_reserves_for_what_prefill_computes_not_for_streamed_tokens(
+    start_cluster: StartCluster,
+) -> None:
+    """Token 1 reaches the client before D refuses: the new D still gets the sequence P computes
+    (no output tokens), else its reservation would not match P's KV."""
+    cluster = await start_cluster()
+    p = cluster.worker("p0", "prefill")
+    d_big, d_small = (
+        cluster.worker("d-big", "decode", num_blocks=64),
+        cluster.worker("d-small", "decode", num_blocks=32),
+    )
+    for w in (p, d_big, d_small):
+        assert (await w.register()).accepted
+    call = cluster.inference.Generate(greedy("token one first", max_tokens=3), timeout=10)
+    req = (await d_big.expect("decode")).decode.request
+    await p.tokens(req.rid, req.generation, 0, [500], prefill_done=True)
+    first = await call.read()
+    assert list(first.delta.token_ids) == [500]  # the coordinator has streamed token 1
+    failed = control_pb2.ReserveFailed(
+        rid=req.rid, generation=req.generation, decode_worker_id="d-big", needed_blocks=2, available_blocks=0
+    )
+    await d_big.send(reserve_failed=failed)
+    again = (await d_small.expect("decode")).decode.request
+    assert again == req
+    call.cancel()
+
+
 async def test_preempted_request_resumes_through_prefill_and_the_stream_continues(
     start_cluster: StartCluster,
 ) -> None:
