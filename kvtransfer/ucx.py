@@ -37,8 +37,12 @@ PROGRESS_MODES = ("hybrid", "thread", "thread-polling", "polling", "blocking")
 
 # Chosen by measurement (docs/kvtransfer.md, "UCX settings").
 DEFAULT_UCX_OPTIONS: dict[str, str] = {
+    # Shared memory despite peer error handling (else all bytes go over TCP loopback).
     "MM_ERROR_HANDLING": "y",
+    # UCXX exports RNDV_FRAG_MEM_TYPE=cuda; host buffers pipeline through host fragments.
     "RNDV_FRAG_MEM_TYPE": "host",
+    # Pipeline fragments that stay in a core's L2 (default 512k measured slower).
+    "RNDV_FRAG_SIZE": "host:128k",
 }
 
 
@@ -111,39 +115,57 @@ class _UcxLib:
 
 
 class _Spinner:
-    """Hybrid progress: the event loop polls the UCX worker while operations are outstanding, and
-    UCXX's progress thread (asleep in epoll) takes over while none are.
+    """Hybrid progress: the event loop polls the UCX worker while requests are outstanding, and
+    UCXX's progress thread (asleep in epoll) takes over while none are. The spinner also completes
+    the requests it tracks, checking a flag per request per turn, where UCXX's own `wait()` would
+    park one polling task per request on the loop (hundreds of posted receives made every loop turn
+    that many task switches long).
 
-    Wait (shrink): the loop spins only between the first `begin()` and the last `end()`, instead of
+    Wait (shrink): the loop spins only while requests are outstanding (plus LINGER_S), instead of
     for the process's whole life as UCXX's "polling" mode does; and only one thread progresses at a
     time, so two processes on a 2-core machine do not fight four progressing threads for the cores.
     """
 
-    LINGER_S = 0.01  # keep polling this long after the last operation: back-to-back messages
+    LINGER_S = 0.01  # keep polling this long after the last request: back-to-back messages
     # would otherwise stop and restart the progress thread once each
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self.outstanding = 0
         self.worker: Any = None
+        self._pending: list[tuple[Any, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
         self._idle_since = 0.0
 
-    def begin(self) -> None:
-        self.outstanding += 1
-        if self.enabled and self._task is None:
+    async def wait(self, request: Any) -> None:
+        """Await a UCXX request; raises its error (UCXCanceledError, ...) like `request.wait()`."""
+        if not self.enabled:
+            await request.wait()
+            return
+        done = asyncio.get_running_loop().create_future()
+        self._pending.append((request, done))
+        if self._task is None:
             self.worker.stop_progress_thread()
             self._task = asyncio.ensure_future(self._spin())
+        await done
+        request.check_error()
 
-    def end(self) -> None:
-        self.outstanding -= 1
-        if self.outstanding == 0:
+    def _complete(self) -> None:
+        pending = []
+        for request, done in self._pending:
+            if not request.completed:
+                pending.append((request, done))
+            elif not done.done():
+                done.set_result(None)
+        if self._pending and not pending:
             self._idle_since = time.monotonic()
+        self._pending = pending
 
     async def _spin(self) -> None:
         try:
-            while self.outstanding > 0 or time.monotonic() - self._idle_since < self.LINGER_S:
-                self.worker.progress()
+            while self._pending or time.monotonic() - self._idle_since < self.LINGER_S:
+                while self.worker.progress_once():  # drain, as UCXX's worker.progress() does
+                    pass
+                self._complete()
                 await asyncio.sleep(0)
         finally:
             self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
@@ -151,14 +173,13 @@ class _Spinner:
 
 
 class UcxPostedRecv(PostedRecv):
-    """A posted UCX tag receive. Its `wait()` must be awaited: until then hybrid progress counts it
-    as outstanding."""
+    """A posted UCX tag receive; completion is watched from the moment it is posted."""
 
     def __init__(self, peer: UcxPeer, request: Any) -> None:
         self._peer = peer
         self._request = request
         self._cancel_requested = False
-        peer.spinner.begin()
+        self._done = asyncio.ensure_future(peer.spinner.wait(request))
 
     def cancel(self) -> None:
         if not self._cancel_requested:
@@ -169,7 +190,7 @@ class UcxPostedRecv(PostedRecv):
         from ucxx.exceptions import UCXCanceledError, UCXError
 
         try:
-            await self._request.wait()
+            await asyncio.shield(self._done)
         except UCXCanceledError:
             if self._cancel_requested:
                 return False
@@ -177,8 +198,6 @@ class UcxPostedRecv(PostedRecv):
             raise PeerLost(self._peer.lost_reason or "endpoint closed") from None
         except UCXError as e:
             raise PeerLost(f"receive failed: {e}") from e
-        finally:
-            self._peer.spinner.end()
         return True
 
 
@@ -209,7 +228,8 @@ class UcxPeer(Peer):
 
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
-        # The public `Endpoint.recv` hides the request object, which cancelling needs.
+        # The public `Endpoint.recv`/`send` hide the request objects, which cancelling and the
+        # spinner need; `_ep` is UCXX's low-level endpoint.
         request = self.endpoint._ep.tag_recv(_ucx_array(buf), Tag(tag), TagMaskFull)
         return UcxPostedRecv(self, request)
 
@@ -218,13 +238,13 @@ class UcxPeer(Peer):
 
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
-        self.spinner.begin()
+        from ucxx.types import Tag
+
         try:
-            await self.endpoint.send(_ucx_array(buf), tag=tag, force_tag=True)
+            self.endpoint._ep.raise_on_error()
+            await self.spinner.wait(self.endpoint._ep.tag_send(_ucx_array(buf), Tag(tag)))
         except UCXError as e:
             raise PeerLost(f"send failed: {e}") from e
-        finally:
-            self.spinner.end()
 
     async def close(self) -> None:
         await self.endpoint.close()

@@ -249,16 +249,15 @@ async def model_sweep(
                     "reserve", rid=rid, gen=0, n_blocks=n, peer=agents.sender_address
                 )
                 messages = reserved["messages"]
+                send = {
+                    "rid": rid,
+                    "gen": 0,
+                    "peer": agents.receiver_address,
+                    "dst_ids": reserved["block_ids"],
+                }
+                await agents.send.call("send", **send, seed=i, upto=0, checksums=False)  # fill; sends nothing
                 t0 = time.perf_counter()
-                sent = await agents.send.call(
-                    "send",
-                    rid=rid,
-                    gen=0,
-                    peer=agents.receiver_address,
-                    dst_ids=reserved["block_ids"],
-                    seed=i,
-                    checksums=last,
-                )
+                sent = await agents.send.call("send", **send, checksums=last)
                 await agents.recv.call(
                     "mark_done", rid=rid, gen=0, first_token=1, checksums=sent["checksums"]
                 )

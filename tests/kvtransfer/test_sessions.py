@@ -1,15 +1,17 @@
-"""Sessions between two real processes, both backends: every path leaves both pools fully free."""
+"""Two real processes, both backends: pairing, and sessions whose every path leaves both pools
+fully free."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 from collections.abc import Mapping
 
 import pytest
 
-from kvtransfer.bench.control import SpawnedAgent
-from tests.kvtransfer.conftest import Pair, connect_pair
+from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
+from tests.kvtransfer.conftest import LAYOUT, Pair, agent_args, connect_pair
 
 # Small messages so a session has many (direct and packed) messages to abort between.
 SMALL = {"max_message_bytes": 4 << 10, "min_direct_bytes": 2 << 10}
@@ -94,3 +96,15 @@ async def test_unposted_receiver_is_never_written(pair: Pair) -> None:
     assert (await pair.recv.call("untouched", block_ids=ids))["untouched"]
     await pair.recv.call("free", block_ids=ids)
     await pair.pools_free()
+
+
+async def test_layout_mismatch_is_refused(agents: tuple[SpawnedAgent, SpawnedAgent], backend: str) -> None:
+    receiver, _ = agents
+    other = spawn_agent(agent_args(backend, dataclasses.replace(LAYOUT, head_dim=16), fragment=None))
+    client = AgentClient(other.control)
+    try:
+        with pytest.raises(AgentError, match="head_dim"):
+            await client.call("connect", address=receiver.address)
+    finally:
+        client.close()
+        other.stop()
