@@ -37,6 +37,7 @@ class WorkerSettings:
     register_timeout_s: float = 120.0
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
+    ucx_progress_mode: str = "hybrid"  # kvtransfer.ucx.PROGRESS_MODES; docs/kvtransfer.md measures them
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -87,6 +88,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
     a("--debug-integrity", action="store_true", help="run check_integrity() after every step")
     a("--kv-message-bytes", type=int, default=64 << 20, help="largest KV transfer message (same on P and D)")
     a("--kv-direct-bytes", type=int, default=256 << 10, help="shortest block run sent without packing")
+    a(
+        "--ucx-progress-mode",
+        choices=("hybrid", "thread", "thread-polling", "polling", "blocking"),
+        default="hybrid",
+        help="hybrid: poll only while transfers are outstanding; thread: never spin (saves a core, slower)",
+    )
     if with_mode:
         a("--mode", choices=("decode", "colocated"), default="decode", help="colocated: prefill here too")
 
@@ -121,4 +128,5 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         register_timeout_s=args.register_timeout,
         kv_message_bytes=args.kv_message_bytes,
         kv_direct_bytes=args.kv_direct_bytes,
+        ucx_progress_mode=args.ucx_progress_mode,
     )

@@ -21,7 +21,16 @@ import structlog
 from engine.llm_engine import LLMEngine
 from engine.worker.metrics import WorkerMetrics
 from engine.worker.settings import WorkerSettings
-from kvtransfer import KVLayout, Peer, SessionConfig, SessionKey, Transport, TransportError, create_transport
+from kvtransfer import (
+    KVLayout,
+    Peer,
+    SessionConfig,
+    SessionKey,
+    Transport,
+    TransportError,
+    UcxSettings,
+    create_transport,
+)
 from splitserve.v1 import control_pb2
 
 log = structlog.get_logger(__name__)
@@ -89,7 +98,8 @@ class TransferPlane:
     async def listen(
         cls, settings: WorkerSettings, engine: LLMEngine, metrics: WorkerMetrics
     ) -> TransferPlane:
-        transport = create_transport(settings.transfer_backend, kv_layout(engine))
+        ucx = UcxSettings(progress_mode=settings.ucx_progress_mode)
+        transport = create_transport(settings.transfer_backend, kv_layout(engine), ucx)
         await transport.start(settings.advertise_host, settings.transfer_port)
         return cls(settings, engine, transport, metrics)
 
