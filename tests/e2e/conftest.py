@@ -8,12 +8,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from splitserve.client import Client
 from splitserve.cluster import ClusterSpec, LocalCluster
 from splitserve.v1 import serving_pb2
+from tests.hf_reference import HFGreedy
 
 API_KEY = "e2e-secret"
 
@@ -79,18 +78,4 @@ def assert_pools_clean(state: serving_pb2.GetPoolStateResponse) -> None:
 @pytest.fixture(scope="session")
 def hf_greedy(model_dir: Path) -> Callable[[list[int], int], list[int]]:
     """transformers' greedy continuation of one prompt (no padding), stopping at EOS like the server."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def generate(ids: list[int], max_new_tokens: int) -> list[int]:
-        with torch.inference_mode():
-            x = torch.tensor([ids])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=0,
-            )
-        return [int(t) for t in y[0, len(ids) :]]
-
-    return generate
+    return HFGreedy(model_dir)

@@ -7,10 +7,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from tests.hf_reference import HFGreedy
 
 SHAPES = ["llama-2l", "qwen2-2l", "qwen3-2l", "mistral-2l"]
 PROMPT_LENGTHS = [1, 7, 16, 33, 50]
@@ -18,22 +17,8 @@ MAX_TOKENS = 12
 
 
 def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy decode, one prompt at a time (no padding), stopping at EOS as we do."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    model.eval()
-    outs = []
-    with torch.inference_mode():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            y = model.generate(
-                x,
-                attention_mask=torch.ones_like(x),
-                do_sample=False,
-                max_new_tokens=max_new_tokens,
-                pad_token_id=0,
-            )
-            outs.append(y[0, len(ids) :].tolist())
-    return outs
+    greedy = HFGreedy(model_dir)
+    return [greedy(ids, max_new_tokens) for ids in prompts]
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:

@@ -4,23 +4,35 @@ the receive session must still complete when the last message lands after `mark_
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 import torch
 
-from kvtransfer import KVLayout, RecvSession, SendSession, SessionConfig, SessionKey, TcpTransport
+from kvtransfer import KVLayout, Peer, RecvSession, SendSession, SessionConfig, SessionKey, TcpTransport
 
 
-@pytest.mark.parametrize("done_first", [True, False])
-async def test_session_completes_whether_done_or_data_comes_first(done_first: bool) -> None:
-    layout = KVLayout("float32", 2, 4, 2, 8, "model")
+@contextlib.asynccontextmanager
+async def tcp_pair(layout: KVLayout) -> AsyncIterator[tuple[Peer, Peer]]:
+    """(decode's peer to prefill, prefill's peer to decode) over one real loopback connection."""
     prefill, decode = TcpTransport(layout), TcpTransport(layout)
     await prefill.start()
     await decode.start()
     try:
         to_prefill = await decode.connect(prefill.address)
         while (to_decode := prefill.peer(decode.address)) is None:
-            await asyncio.sleep(0.01)  # bounded below by wait_for: the accept handler's last step
+            await asyncio.sleep(0.01)  # bounded by the test timeout: the accept handler's last step
+        yield to_prefill, to_decode
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+@pytest.mark.parametrize("done_first", [True, False])
+async def test_session_completes_whether_done_or_data_comes_first(done_first: bool) -> None:
+    layout = KVLayout("float32", 2, 4, 2, 8, "model")
+    async with tcp_pair(layout) as (to_prefill, to_decode):
         src = torch.randn(16, 2, 2, 4, 2, 8)
         dst = torch.zeros_like(src)
         src_ids, dst_ids = [3, 7, 8], [10, 2, 5]  # non-contiguous on both sides: packed messages
@@ -37,21 +49,12 @@ async def test_session_completes_whether_done_or_data_comes_first(done_first: bo
             recv.mark_done(first_token=42)
         assert await asyncio.wait_for(recv.wait(), 10) == 42
         assert torch.equal(dst[dst_ids], src[src_ids])
-    finally:
-        await prefill.close()
-        await decode.close()
 
 
 async def test_sources_can_arrive_chunk_by_chunk() -> None:
     """The sender learns its source blocks as prefill finishes them; each send covers what is known."""
     layout = KVLayout("float32", 1, 2, 1, 4, "model")
-    prefill, decode = TcpTransport(layout), TcpTransport(layout)
-    await prefill.start()
-    await decode.start()
-    try:
-        to_prefill = await decode.connect(prefill.address)
-        while (to_decode := prefill.peer(decode.address)) is None:
-            await asyncio.sleep(0.01)  # bounded below by the test timeout: the accept handler's last step
+    async with tcp_pair(layout) as (to_prefill, to_decode):
         src = torch.randn(12, 1, 2, 2, 1, 4)
         dst = torch.zeros_like(src)
         src_ids, dst_ids = [0, 1, 5, 6, 9], [2, 3, 4, 8, 11]
@@ -69,6 +72,3 @@ async def test_sources_can_arrive_chunk_by_chunk() -> None:
         recv.mark_done(first_token=1)
         assert await asyncio.wait_for(recv.wait(), 10) == 1
         assert torch.equal(dst[dst_ids], src[src_ids])
-    finally:
-        await prefill.close()
-        await decode.close()
