@@ -84,6 +84,11 @@ class Client:
     async def close(self) -> None:
         await self.channel.close()
 
+    def _common_fields(self, request_id: str, params: dict[str, Any]) -> dict[str, Any]:
+        """The fields Generate and Chat requests share: model, request id, sampling, stopping."""
+        sampling, stopping = sampling_params(**params)
+        return {"model": self.model, "request_id": request_id, "sampling": sampling, "stopping": stopping}
+
     def generate(
         self,
         prompt: str | Sequence[int],
@@ -93,13 +98,8 @@ class Client:
         logprobs: int | None = None,
         **params: Any,
     ) -> AsyncIterator[serving_pb2.GenerateResponse]:
-        sampling, stopping = sampling_params(**params)
         req = serving_pb2.GenerateRequest(
-            model=self.model,
-            request_id=request_id,
-            sampling=sampling,
-            stopping=stopping,
-            output=serving_pb2.OutputOptions(logprobs=logprobs),
+            **self._common_fields(request_id, params), output=serving_pb2.OutputOptions(logprobs=logprobs)
         )
         if isinstance(prompt, str):
             req.text = prompt
@@ -115,12 +115,8 @@ class Client:
         timeout: float | None = None,
         **params: Any,
     ) -> AsyncIterator[serving_pb2.ChatResponse]:
-        sampling, stopping = sampling_params(**params)
         req = serving_pb2.ChatRequest(
-            model=self.model,
-            request_id=request_id,
-            sampling=sampling,
-            stopping=stopping,
+            **self._common_fields(request_id, params),
             messages=[serving_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
         )
         return self.inference.Chat(req, timeout=timeout, metadata=self.metadata)

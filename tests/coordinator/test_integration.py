@@ -19,6 +19,7 @@ from grpc_status import rpc_status
 from splitserve.v1 import control_pb2, serving_pb2
 from splitserve.wire import unpack_ids
 from tests.coordinator.conftest import Cluster
+from tests.coordinator.peer import ScriptedWorker
 
 StartCluster = Callable[..., Awaitable[Cluster]]
 LENGTH, EOS = serving_pb2.FINISH_REASON_LENGTH, serving_pb2.FINISH_REASON_EOS_TOKEN
@@ -152,17 +153,21 @@ async def test_deadline_ends_the_stream_and_aborts_the_workers(start_cluster: St
         assert abort.generation == req.generation + 1
 
 
+async def one_prefill_two_decoders(cluster: Cluster) -> tuple[ScriptedWorker, ScriptedWorker, ScriptedWorker]:
+    """Registered p0, d-big (64 free blocks: placed first) and d-small (32)."""
+    p = cluster.worker("p0", "prefill")
+    d_big = cluster.worker("d-big", "decode", num_blocks=64)
+    d_small = cluster.worker("d-small", "decode", num_blocks=32)
+    for w in (p, d_big, d_small):
+        assert (await w.register()).accepted
+    return p, d_big, d_small
+
+
 async def test_reserve_failed_re_places_the_decode_and_reassigns_the_prefill(
     start_cluster: StartCluster,
 ) -> None:
     cluster = await start_cluster()
-    p = cluster.worker("p0", "prefill")
-    d_big, d_small = (
-        cluster.worker("d-big", "decode", num_blocks=64),
-        cluster.worker("d-small", "decode", num_blocks=32),
-    )
-    for w in (p, d_big, d_small):
-        assert (await w.register()).accepted
+    p, d_big, d_small = await one_prefill_two_decoders(cluster)
     stub = cluster.inference
     stream = asyncio.create_task(collect(stub.Generate(greedy("re-place me", max_tokens=2), timeout=10)))
     req = (await d_big.expect("decode")).decode.request  # the one with the most free blocks first
@@ -197,13 +202,7 @@ async def test_a_re_placed_decode_reserves_for_what_prefill_computes_not_for_str
     """Token 1 reaches the client before D refuses: the new D still gets the sequence P computes
     (no output tokens), else its reservation would not match P's KV."""
     cluster = await start_cluster()
-    p = cluster.worker("p0", "prefill")
-    d_big, d_small = (
-        cluster.worker("d-big", "decode", num_blocks=64),
-        cluster.worker("d-small", "decode", num_blocks=32),
-    )
-    for w in (p, d_big, d_small):
-        assert (await w.register()).accepted
+    p, d_big, d_small = await one_prefill_two_decoders(cluster)
     call = cluster.inference.Generate(greedy("token one first", max_tokens=3), timeout=10)
     req = (await d_big.expect("decode")).decode.request
     await p.tokens(req.rid, req.generation, 0, [500], prefill_done=True)
