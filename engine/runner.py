@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+import kernels.dispatch
 from engine.kv_manager import KVCacheManager
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingBatch
@@ -53,6 +54,8 @@ class ModelRunner:
             dtype=model.embed.dtype,
             device=device,
         )
+        # build or load the C++ CPU kernels now (a first build takes ~25 s), not in the first step
+        kernels.dispatch.cpu_kernels(self.kv_cache)
 
     def prepare(self, out: SchedulerOutput) -> StepContext:
         """Flatten the scheduled chunks into the step's metadata (one host-to-device copy per field)."""

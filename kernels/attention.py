@@ -12,8 +12,10 @@ Query head ``i`` attends with kv head ``i // (Hq // Hkv)`` (GQA). New token ``j`
 sequence b sits at position ``seq_lens[b] - q_len_b + j`` and sees keys ``0..`` that
 position (causal). Softmax and accumulation run in float32; the output has q's dtype.
 
-The torch references are the CPU forward path, not only test oracles: they gather the
-block tables into padded K/V and call one ``scaled_dot_product_attention`` per layer.
+On the CPU, float32 decode runs the C++ kernel of ``kernels.cpu_ext`` (blocks read in
+place, online softmax); everything else there runs the torch references, which are the CPU
+forward path, not only test oracles: they gather the block tables into padded K/V and call
+one ``scaled_dot_product_attention`` per layer.
 They read the unused tail of each sequence's last block (masked out), so the cache must
 hold finite values there: allocate it with ``torch.zeros``, never ``torch.empty`` (a NaN
 would survive the mask as 0 * NaN). The Triton kernels never read those slots.
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_kernels, use_triton
 
 
 def paged_decode_attention(
@@ -41,6 +43,8 @@ def paged_decode_attention(
 
         cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1)
+    if (cpp := cpu_kernels(q)) is not None and k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0:
+        return cpp.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 

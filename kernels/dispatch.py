@@ -1,9 +1,11 @@
-"""Chooses between a Triton kernel and its torch reference.
+"""Chooses between a Triton kernel, a C++ CPU kernel and the torch reference.
 
-CUDA tensors go to Triton, everything else to the torch reference. ``forced``
+CUDA tensors go to Triton; float32 CPU tensors go to the C++ kernel where one exists and
+``kernels.cpu_ext`` could build it; everything else to the torch reference. ``forced``
 overrides that for tests and benchmarks: ``forced("triton")`` sends CPU tensors
 to Triton (which then needs ``TRITON_INTERPRET=1``), ``forced("torch")`` runs the
-reference on CUDA. ``SPLITSERVE_FORCE_TRITON=1`` in the environment (read at
+reference everywhere, ``forced("cpp")`` the C++ kernels on float32 CPU tensors and the
+reference for the rest. ``SPLITSERVE_FORCE_TRITON=1`` in the environment (read at
 import) starts the process forced to Triton.
 """
 
@@ -12,11 +14,14 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import ModuleType
 from typing import Literal
 
 import torch
 
-Backend = Literal["torch", "triton"]
+from kernels import cpu_ext
+
+Backend = Literal["torch", "triton", "cpp"]
 
 FORCED: Backend | None = "triton" if os.environ.get("SPLITSERVE_FORCE_TRITON", "") == "1" else None
 
@@ -35,6 +40,13 @@ def forced(backend: Backend) -> Iterator[None]:
         yield
     finally:
         FORCED = previous
+
+
+def cpu_kernels(t: torch.Tensor) -> ModuleType | None:
+    """The C++ CPU kernels (``kernels.cpu_ext``) when the operation on ``t`` should run them."""
+    if FORCED not in (None, "cpp") or t.device.type != "cpu" or t.dtype != torch.float32:
+        return None
+    return cpu_ext.load()
 
 
 def next_pow2(n: int) -> int:

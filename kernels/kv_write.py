@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import cpu_kernels, use_triton
 
 
 def write_kv_slots(
@@ -32,6 +32,8 @@ def write_kv_slots(
         from kernels.kv_write_triton import write_kv_slots_triton
 
         write_kv_slots_triton(key, value, k_cache, v_cache, slot_mapping)
+    elif (cpp := cpu_kernels(key)) is not None and k_cache.dtype == torch.float32:
+        cpp.write_kv_slots(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_slots_ref(key, value, k_cache, v_cache, slot_mapping)
 

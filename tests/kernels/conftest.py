@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kernels import cpu_ext
 from kernels.dispatch import Backend, forced
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -19,8 +20,23 @@ def force_triton() -> Iterator[None]:
         yield
 
 
-@pytest.fixture(params=["torch", "triton"])
+@pytest.fixture
+def force_cpp() -> Iterator[None]:
+    """Routes float32 CPU kernel calls to the C++ kernels, which must build (skipped only where
+    ``SPLITSERVE_CPU_KERNELS=0`` turns them off)."""
+    if not cpu_ext.enabled():
+        pytest.skip("SPLITSERVE_CPU_KERNELS=0")
+    assert cpu_ext.load() is not None, "the C++ CPU kernels did not build; see the warning logged"
+    with forced("cpp"):
+        yield
+
+
+@pytest.fixture(params=["torch", "triton", "cpp"])
 def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
     """Runs the test once per backend, every public kernel call forced onto it."""
+    if request.param == "cpp":
+        request.getfixturevalue("force_cpp")
+        yield "cpp"
+        return
     with forced(request.param):
         yield request.param

@@ -1,4 +1,4 @@
-"""Paged decode / prefill attention: torch reference vs dense attention, Triton vs reference."""
+"""Paged decode / prefill attention: torch reference vs dense attention, Triton and C++ vs reference."""
 
 from __future__ import annotations
 
@@ -82,6 +82,21 @@ def test_prefill_triton_matches_reference(case: Case) -> None:
     tables = (paged.block_tables, cu, paged.seq_lens)
     out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, *tables, scale)
     expected = paged_prefill_attention_ref(q, *paged.finite_caches(), *tables, scale)
+    assert rel_error(out, expected) < F32_TOL
+
+
+@pytest.mark.usefixtures("force_cpp")
+@pytest.mark.parametrize("case", [*CASES, (16, 4, 2, 16)])
+def test_decode_cpp_matches_reference(case: Case) -> None:
+    # long sequences (many blocks, a partial last block); queries as a strided view of a fused
+    # projection; unused slots poisoned: the C++ kernel, like Triton, never reads them
+    seqs = [*DECODE, (300, 1), (47, 1)]
+    paged, q, _, scale = _inputs(case, seqs, seed=16, unused=float("nan"))
+    fused = torch.cat([q, torch.randn_like(q)], dim=1)
+    q_view = fused[:, : q.shape[1]]
+    tables = (paged.block_tables, paged.seq_lens)
+    out = paged_decode_attention(q_view, paged.k_cache, paged.v_cache, *tables, scale)
+    expected = paged_decode_attention_ref(q, *paged.finite_caches(), *tables, scale)
     assert rel_error(out, expected) < F32_TOL
 
 

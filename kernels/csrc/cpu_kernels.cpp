@@ -1,0 +1,311 @@
+// The float32 CPU twins of two Triton kernels, with the semantics of their torch references:
+// paged decode attention (one new token per sequence, KV blocks read in place through the block
+// table: no gather into a padded copy) and the KV slot write. kernels/cpu_ext.py builds this file.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// Eight floats: one AVX register, two SSE registers, whatever the compiler targets.
+typedef float v8 __attribute__((vector_size(32)));
+
+inline v8 load8(const float* p) {
+  v8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+inline float hsum8(v8 v) {
+  return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
+}
+
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+// expf on eight lanes (Cephes' polynomial, ~2 ulp over the range softmax uses); lanes below
+// -87 give ~1e-38, not 0, which a softmax sum cannot tell apart.
+inline v8 exp8(v8 x) {
+  const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
+  const v8 hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to the nearest integer
+  v8 n = (x * 1.44269504088896341f + magic) - magic;
+  v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
+  v8 pow2;
+  __builtin_memcpy(&pow2, &bits, sizeof(pow2));
+  return p * pow2;
+}
+
+// <a, b> over n floats, n a multiple of 8
+inline float dot(const float* a, const float* b, int64_t n) {
+  v8 acc = {};
+  for (int64_t d = 0; d < n; d += 8) acc += load8(a + d) * load8(b + d);
+  return hsum8(acc);
+}
+
+// out[i] = <q, k + i * stride> for i < 4: each chunk of q is loaded once for four rows
+inline void dots4(const float* q, const float* k, int64_t stride, int64_t n, float* out) {
+  v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+  for (int64_t d = 0; d < n; d += 8) {
+    const v8 qd = load8(q + d);
+    a0 += qd * load8(k + d);
+    a1 += qd * load8(k + stride + d);
+    a2 += qd * load8(k + 2 * stride + d);
+    a3 += qd * load8(k + 3 * stride + d);
+  }
+  out[0] = hsum8(a0);
+  out[1] = hsum8(a1);
+  out[2] = hsum8(a2);
+  out[3] = hsum8(a3);
+}
+
+inline void prefetch_span(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);  // one 64-byte line per call
+}
+
+}  // namespace
+
+// q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] views whose last two dims are
+// dense; block_tables [B, W] int32; seq_lens [B] int32 (keys per sequence, the new one included).
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
+                  v_cache.scalar_type() == torch::kFloat,
+              "paged_decode_attention (cpu): float32 only");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.stride(3) == 1 &&
+                  v_cache.stride(2) == v_cache.size(3),
+              "paged_decode_attention (cpu): each cache row [Hkv, D] must be dense");
+  TORCH_CHECK(q.size(2) % 8 == 0, "paged_decode_attention (cpu): head_dim must be a multiple of 8");
+  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // any token stride is fine
+  block_tables = block_tables.to(torch::kInt).contiguous();
+  seq_lens = seq_lens.to(torch::kInt).contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), q_token = q.stride(0);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, width = block_tables.size(1);
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  float* op = out.data_ptr<float>();
+  const int64_t k_block = k_cache.stride(0), k_row = k_cache.stride(1);
+  const int64_t v_block = v_cache.stride(0), v_row = v_cache.stride(1);
+  const float sc = static_cast<float>(scale);
+
+  // One task per sequence, so each K/V block is read whole, once; the `group` query heads of a kv
+  // head share every row loaded. Each thread takes a contiguous run of sequences holding ~1/threads
+  // of the keys (lengths differ).
+  std::vector<int64_t> bounds(num_seqs + 1, 0);
+  for (int64_t b = 0; b < num_seqs; ++b) bounds[b + 1] = bounds[b] + lens[b] + 1;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
+  at::parallel_for(0, threads, 1, [&](int64_t first_slot, int64_t end_slot) {
+    const auto seq_at = [&](int64_t slot) {
+      return std::lower_bound(bounds.begin(), bounds.end(), bounds.back() * slot / threads) - bounds.begin();
+    };
+    const int64_t padded = (block_size + 7) / 8 * 8;  // score rows in whole v8 lanes
+    std::vector<float> qs(num_heads * head_dim), acc(num_heads * head_dim), scores(padded);
+    std::vector<float> row_max(num_heads), denom(num_heads);
+    for (int64_t b = seq_at(first_slot); b < seq_at(end_slot); ++b) {
+      const int64_t len = lens[b];
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = qp[b * q_token + i] * sc;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+      std::fill(denom.begin(), denom.end(), 0.f);
+      for (int64_t start = 0; start < len; start += block_size) {
+        const int64_t block = tables[b * width + start / block_size];
+        const int64_t n = std::min(block_size, len - start);
+        if (start + block_size < len) {  // the next block is elsewhere in memory: ask for it now
+          const int64_t next = tables[b * width + start / block_size + 1];
+          prefetch_span(kp + next * k_block, block_size * k_row);
+          prefetch_span(vp + next * v_block, block_size * v_row);
+        }
+        for (int64_t hq = 0; hq < num_heads; ++hq) {
+          const int64_t h = hq / group;
+          const float* kb = kp + block * k_block + h * head_dim;
+          const float* vb = vp + block * v_block + h * head_dim;
+          const float* qh = qs.data() + hq * head_dim;
+          float* s = scores.data();
+          int64_t t = 0;
+          for (; t + 4 <= n; t += 4) dots4(qh, kb + t * k_row, k_row, head_dim, s + t);
+          for (; t < n; ++t) s[t] = dot(qh, kb + t * k_row, head_dim);
+          // online softmax: rescale what was accumulated to this block's running max
+          const float new_max = std::max(row_max[hq], *std::max_element(s, s + n));
+          const float rescale = std::exp(row_max[hq] - new_max);
+          row_max[hq] = new_max;
+          for (t = 0; t < n; t += 8) store8(s + t, exp8(load8(s + t) - new_max));
+          denom[hq] = denom[hq] * rescale + std::accumulate(s, s + n, 0.f);
+          // one output chunk at a time stays in a register across the block's rows
+          float* a = acc.data() + hq * head_dim;
+          for (int64_t d = 0; d < head_dim; d += 8) {
+            v8 chunk = load8(a + d) * rescale;
+            for (t = 0; t < n; ++t) chunk += s[t] * load8(vb + t * v_row + d);
+            store8(a + d, chunk);
+          }
+        }
+      }
+      float* ob = op + b * num_heads * head_dim;
+      for (int64_t hq = 0; hq < num_heads; ++hq)
+        for (int64_t d = 0; d < head_dim; ++d) ob[hq * head_dim + d] = acc[hq * head_dim + d] / denom[hq];
+    }
+  });
+  return out;
+}
+
+// key/value [T, Hkv, D]; caches as above; slot_mapping [T] int64, -1 = skip. Semantics of
+// kernels.kv_write.write_kv_slots_ref.
+void write_kv_slots(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat &&
+                  k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
+              "write_kv_slots (cpu): float32 only");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.stride(3) == 1 &&
+                  v_cache.stride(2) == v_cache.size(3),
+              "write_kv_slots (cpu): each cache row [Hkv, D] must be dense");
+  // tokens may sit at any stride (views into the fused qkv output); each token's [Hkv, D] is dense
+  if (key.stride(2) != 1 || key.stride(1) != key.size(2)) key = key.contiguous();
+  if (value.stride(2) != 1 || value.stride(1) != value.size(2)) value = value.contiguous();
+  slot_mapping = slot_mapping.to(torch::kLong).contiguous();
+  const int64_t tokens = key.size(0), row = key.size(1) * key.size(2), block_size = k_cache.size(1);
+  const float* kp = key.data_ptr<float>();
+  const float* vp = value.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / block_size, offset = slot % block_size;
+    std::copy_n(kp + t * key.stride(0), row, kc + block * k_cache.stride(0) + offset * k_cache.stride(1));
+    std::copy_n(vp + t * value.stride(0), row, vc + block * v_cache.stride(0) + offset * v_cache.stride(1));
+  }
+}
+
+namespace {
+
+// rows x dense [rows, n] float32 checks shared by the elementwise kernels
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 2 && t.stride(1) == 1, name,
+              " (cpu): float32 [rows, n] with dense rows");
+}
+
+// weight * (x / sqrt(mean(x^2) + eps)) for one row, into out
+inline void rms_row(const float* x, const float* weight, int64_t n, double eps, float* out) {
+  v8 acc = {};
+  int64_t d = 0;
+  for (; d + 8 <= n; d += 8) acc += load8(x + d) * load8(x + d);
+  float sum = hsum8(acc);
+  for (; d < n; ++d) sum += x[d] * x[d];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+  for (d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inv);
+}
+
+}  // namespace
+
+// (rms_norm(x + residual) * weight, x + residual), both new [T, H] tensors
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  check_rows(x, "add_rms_norm");
+  check_rows(residual, "add_rms_norm");
+  TORCH_CHECK(x.sizes() == residual.sizes() && weight.numel() == x.size(1) && weight.is_contiguous());
+  auto summed = torch::empty({x.size(0), x.size(1)}, x.options());
+  auto normed = torch::empty_like(summed);
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float *sp = summed.data_ptr<float>(), *np = normed.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* srow = sp + r * n;
+      const float *xrow = xp + r * x.stride(0), *rrow = rp + r * residual.stride(0);
+      for (int64_t d = 0; d < n; ++d) srow[d] = rrow[d] + xrow[d];
+      rms_row(srow, wp, n, eps, np + r * n);
+    }
+  });
+  return {normed, summed};
+}
+
+// rms_norm(x) * weight as a new [T, H] tensor
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous());
+  auto out = torch::empty({x.size(0), x.size(1)}, x.options());
+  const int64_t n = x.size(1);
+  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) rms_row(xp + r * x.stride(0), wp, n, eps, op + r * n);
+  });
+  return out;
+}
+
+// silu(gate) * up for gate_up [T, 2I] (gate first), as a new [T, I] tensor
+torch::Tensor silu_and_mul(torch::Tensor gate_up) {
+  check_rows(gate_up, "silu_and_mul");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  const float* gp = gate_up.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const v8 one = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float *g = gp + r * gate_up.stride(0), *u = g + n;
+      float* o = op + r * n;
+      int64_t d = 0;
+      for (; d + 8 <= n; d += 8) {
+        const v8 gv = load8(g + d);
+        store8(o + d, gv / (one + exp8(-gv)) * load8(u + d));
+      }
+      for (; d < n; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
+    }
+  });
+  return out;
+}
+
+// x * cos + rotate_half(x) * sin for x [T, H, D] with dense heads, cos/sin [T, D]; a new tensor
+torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+              "apply_rotary (cpu): float32 [T, H, D] with dense heads");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2));
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2, dim = x.size(2);
+  const float* xp = x.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float *c = cp + t * dim, *s = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* in = xp + t * x.stride(0) + h * dim;
+        float* o = op + (t * heads + h) * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          o[i] = in[i] * c[i] - in[i + half] * s[i];
+          o[i + half] = in[i + half] * c[i + half] + in[i] * s[i + half];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, float32, CPU");
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32, CPU");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32, CPU");
+  m.def("apply_rotary", &apply_rotary, "rotary embedding, float32, CPU");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32, CPU");
+  m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32, CPU");
+}
