@@ -74,6 +74,21 @@ inline void dots4(const float* q, const float* k, int64_t stride, int64_t n, flo
   out[3] = hsum8(a3);
 }
 
+inline float max_of(const float* x, int64_t n) {
+  int64_t t = 0;
+  float m = -std::numeric_limits<float>::infinity();
+  if (n >= 8) {
+    v8 mv = load8(x);
+    for (t = 8; t + 8 <= n; t += 8) {
+      const v8 v = load8(x + t);
+      mv = mv > v ? mv : v;
+    }
+    for (int i = 0; i < 8; ++i) m = std::max(m, mv[i]);
+  }
+  for (; t < n; ++t) m = std::max(m, x[t]);
+  return m;
+}
+
 inline void prefetch_span(const float* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);  // one 64-byte line per call
 }
@@ -145,8 +160,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           for (; t + 4 <= n; t += 4) dots4(qh, kb + t * k_row, k_row, head_dim, s + t);
           for (; t < n; ++t) s[t] = dot(qh, kb + t * k_row, head_dim);
           // online softmax: rescale what was accumulated to this block's running max
-          const float new_max = std::max(row_max[hq], *std::max_element(s, s + n));
-          const float rescale = std::exp(row_max[hq] - new_max);
+          const float new_max = std::max(row_max[hq], max_of(s, n));
+          // the running max settles early in a sequence: skip the exp while it holds
+          const float rescale = new_max > row_max[hq] ? std::exp(row_max[hq] - new_max) : 1.f;
           row_max[hq] = new_max;
           for (t = 0; t < n; t += 8) store8(s + t, exp8(load8(s + t) - new_max));
           denom[hq] = denom[hq] * rescale + std::accumulate(s, s + n, 0.f);
@@ -204,6 +220,10 @@ void check_rows(const torch::Tensor& t, const char* name) {
               " (cpu): float32 [rows, n] with dense rows");
 }
 
+// Rows of `width` floats per parallel task: a decode batch's few rows run on the calling thread,
+// where waking the pool would cost more than the work.
+inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 16) / width); }
+
 // weight * (x / sqrt(mean(x^2) + eps)) for one row, into out
 inline void rms_row(const float* x, const float* weight, int64_t n, double eps, float* out) {
   v8 acc = {};
@@ -227,7 +247,7 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   const int64_t rows = x.size(0), n = x.size(1);
   const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float *sp = summed.data_ptr<float>(), *np = normed.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       float* srow = sp + r * n;
       const float *xrow = xp + r * x.stride(0), *rrow = rp + r * residual.stride(0);
@@ -246,7 +266,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const int64_t n = x.size(1);
   const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, x.size(0), rows_per_task(n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) rms_row(xp + r * x.stride(0), wp, n, eps, op + r * n);
   });
   return out;
@@ -260,7 +280,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   const float* gp = gate_up.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const v8 one = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows, rows_per_task(2 * n), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float *g = gp + r * gate_up.stride(0), *u = g + n;
       float* o = op + r * n;
@@ -285,7 +305,7 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   const float* xp = x.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, 8, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float *c = cp + t * dim, *s = sp + t * dim;
       for (int64_t h = 0; h < heads; ++h) {

@@ -59,6 +59,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--json", type=Path, default=None, help="write rows as JSON lines")
     run.add_argument("--csv", type=Path, default=None)
     run.add_argument("--plot", type=Path, default=None, help="bandwidth vs size PNG (raw mode)")
+    run.add_argument(
+        "--pin-agents",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="pin the receiver and the sender agent to two distinct cores of ours",
+    )
     run.add_argument("--agent-log", type=Path, default=Path(tempfile.gettempdir()) / "kvbench-agents.log")
     serve = sub.add_parser("serve", help="run the receiver agent for a remote `kvbench run --peer`")
     serve.add_argument("--backend", choices=sorted(runner.BACKEND_ARGS), required=True)
@@ -87,6 +93,7 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         block_size=args.block_size,
         command=shlex.join(["kvbench", *argv]),
         agent_log=args.agent_log.open("a"),
+        pin_agents=args.pin_agents,
     )
     unknown = [b for b in cfg.backends if b not in runner.BACKEND_ARGS]
     if unknown:

@@ -9,8 +9,10 @@ here. `spawn_agent` starts a local agent and returns once it printed its ready l
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -86,15 +88,19 @@ class SpawnedAgent:
             self.process.wait()
 
 
-def spawn_agent(args: Sequence[str], log: IO[str] | None = None, timeout: float = 60.0) -> SpawnedAgent:
+def spawn_agent(
+    args: Sequence[str], log: IO[str] | None = None, timeout: float = 60.0, cpu: int | None = None
+) -> SpawnedAgent:
     """Start `python -m kvtransfer.bench.agent ARGS` and wait for its ready line on stdout.
 
-    The agent's logs (stderr) go to `log`, or to our stderr."""
+    The agent's logs (stderr) go to `log`, or to our stderr. `cpu`: pin the agent (all its threads)
+    to that core."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvtransfer.bench.agent", *args, "--die-with-parent"],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
+        preexec_fn=None if cpu is None else functools.partial(os.sched_setaffinity, 0, {cpu}),
     )
     assert process.stdout is not None
     # Wait (protects an invariant): nobody may talk to the agent before it listens. Libraries may

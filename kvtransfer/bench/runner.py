@@ -47,6 +47,7 @@ class BenchConfig:
     block_size: int = 16
     command: str = ""
     agent_log: IO[str] | None = None
+    pin_agents: bool = False
 
     def agent_args(self, backend: str) -> list[str]:
         args = list(BACKEND_ARGS[backend])
@@ -87,12 +88,13 @@ async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blo
         str(num_blocks),
     ]
     spawned = []
+    cpus = agent_cpus() if cfg.pin_agents else [None, None]
     if cfg.peer is None:
-        spawned.append(spawn_agent([*args, "--fragment", "1"], cfg.agent_log))
+        spawned.append(spawn_agent([*args, "--fragment", "1"], cfg.agent_log, cpu=cpus[0]))
         recv = AgentClient(spawned[0].control)
     else:
         recv = AgentClient(cfg.peer)
-    spawned.append(spawn_agent([*args, "--fragment", "2"], cfg.agent_log))
+    spawned.append(spawn_agent([*args, "--fragment", "2"], cfg.agent_log, cpu=cpus[1]))
     send = AgentClient(spawned[-1].control)
     receiver_address = (await recv.call("info"))["address"]
     connected = await send.call("connect", address=receiver_address)
@@ -106,6 +108,12 @@ async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blo
         connected["transports"],
         spawned,
     )
+
+
+def agent_cpus() -> list[int | None]:
+    """Two distinct cores of ours for the receiver and the sender (no pinning with fewer than two)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[0], cpus[1]] if len(cpus) >= 2 else [None, None]
 
 
 def _tag_base() -> int:
@@ -207,6 +215,7 @@ def _inputs(cfg: BenchConfig, backend: str) -> Row:
         "settings": {
             "agent_args": cfg.agent_args(backend),
             "env_ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
+            "pin_agents": cfg.pin_agents,
         },
         "command": cfg.command,
         "host": os.uname().nodename,

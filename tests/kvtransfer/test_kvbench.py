@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from kvtransfer.bench import cli
+from kvtransfer.bench import cli, runner
+from kvtransfer.bench.control import spawn_agent
 from kvtransfer.bench.report import parse_size, parse_tokens
 
 REQUIRED = {
@@ -59,3 +61,18 @@ def test_model_shape_mode_moves_a_prompts_kv(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["tokens"], r["blocks"]) for r in rows] == [(100, 7), (1024, 64)]
     assert all(r["verified"] and r["transfer_ms"] > 0 for r in rows)
+
+
+def test_pinned_agent_runs_on_the_core_it_was_given(tmp_path: Path) -> None:
+    receiver_cpu, sender_cpu = runner.agent_cpus()
+    if sender_cpu is None:
+        pytest.skip("needs two cores")
+    assert receiver_cpu != sender_cpu
+    args = [*runner.BACKEND_ARGS["tcp"], "--layout", json.dumps(runner.RAW_LAYOUT.to_dict())]
+    with (tmp_path / "agent.log").open("w") as log:
+        agent = spawn_agent([*args, "--num-blocks", "1", "--fragment", "1"], log, cpu=sender_cpu)
+    try:
+        assert os.sched_getaffinity(agent.process.pid) == {sender_cpu}
+    finally:
+        agent.process.kill()
+        agent.process.wait()
