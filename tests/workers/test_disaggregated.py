@@ -67,13 +67,22 @@ async def assert_quiescent(cluster: Cluster, *workers: Worker) -> None:
         await cluster.coordinator.assert_pool_clean(w.settings.worker_id)
 
 
+async def start_chunked_pair(cluster: Cluster, kv_blocks_per_message: int) -> tuple[Worker, Worker]:
+    """Prefill worker p0 computing 16 tokens a step and decode worker d0, both shipping KV in
+    messages of `kv_blocks_per_message` blocks."""
+    p = await cluster.start(
+        "prefill", "p0", max_num_batched_tokens=16, kv_blocks_per_message=kv_blocks_per_message
+    )
+    d = await cluster.start("decode", "d0", kv_blocks_per_message=kv_blocks_per_message)
+    return p, d
+
+
 async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
     # chunked prefill (16 tokens a step) and 2-block KV messages: the 37-token prompt ships in 2 chunks,
     # the first while its last prefill chunk computes
-    p = await cluster.start("prefill", "p0", max_num_batched_tokens=16, kv_blocks_per_message=2)
-    d = await cluster.start("decode", "d0", kv_blocks_per_message=2)
+    p, d = await start_chunked_pair(cluster, kv_blocks_per_message=2)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
     prompts = {1: random_prompt(rng, 37), 2: random_prompt(rng, 5), 3: random_prompt(rng, 16)}
@@ -272,8 +281,7 @@ async def test_kv_streams_chunk_by_chunk_while_the_prefill_computes(
     # 96 prompt tokens at 16 a step: 6 prefill steps; 1-block KV messages. With Reserved known before
     # the first step, the blocks each step finishes ship while the next step computes, so the KV
     # arrives in several chunks (shipping only at the last chunk could make at most 2).
-    p = await cluster.start("prefill", "p0", max_num_batched_tokens=16, kv_blocks_per_message=1)
-    d = await cluster.start("decode", "d0", kv_blocks_per_message=1)
+    p, d = await start_chunked_pair(cluster, kv_blocks_per_message=1)
     coord, rng = cluster.coordinator, random.Random(11)
     prompt = random_prompt(rng, 96)
     req = execution_request(1, prompt, 4, identity=p.engine.loaded.identity)
