@@ -95,18 +95,26 @@ inline void prefetch_span(const float* p, int64_t n) {
 
 }  // namespace
 
+// [T, H, D] with each token's heads one dense run (any stride between tokens)
+static inline bool dense_heads(const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); }
+
+// one layer's float32 K and V cache views, [num_blocks, block_size, Hkv, D] with dense rows
+static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const char* name) {
+  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat, name,
+              " (cpu): float32 caches only");
+  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.stride(3) == 1 &&
+                  v_cache.stride(2) == v_cache.size(3),
+              name, " (cpu): each cache row [Hkv, D] must be dense");
+}
+
 // q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] views whose last two dims are
 // dense; block_tables [B, W] int32; seq_lens [B] int32 (keys per sequence, the new one included).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat && k_cache.scalar_type() == torch::kFloat &&
-                  v_cache.scalar_type() == torch::kFloat,
-              "paged_decode_attention (cpu): float32 only");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.stride(3) == 1 &&
-                  v_cache.stride(2) == v_cache.size(3),
-              "paged_decode_attention (cpu): each cache row [Hkv, D] must be dense");
+  TORCH_CHECK(q.scalar_type() == torch::kFloat, "paged_decode_attention (cpu): float32 only");
+  check_caches(k_cache, v_cache, "paged_decode_attention");
   TORCH_CHECK(q.size(2) % 8 == 0, "paged_decode_attention (cpu): head_dim must be a multiple of 8");
-  if (q.stride(2) != 1 || q.stride(1) != q.size(2)) q = q.contiguous();  // any token stride is fine
+  if (!dense_heads(q)) q = q.contiguous();  // any token stride is fine
   block_tables = block_tables.to(torch::kInt).contiguous();
   seq_lens = seq_lens.to(torch::kInt).contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
@@ -187,15 +195,12 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
 // kernels.kv_write.write_kv_slots_ref.
 void write_kv_slots(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat &&
-                  k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat,
+  TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat,
               "write_kv_slots (cpu): float32 only");
-  TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.stride(3) == 1 &&
-                  v_cache.stride(2) == v_cache.size(3),
-              "write_kv_slots (cpu): each cache row [Hkv, D] must be dense");
+  check_caches(k_cache, v_cache, "write_kv_slots");
   // tokens may sit at any stride (views into the fused qkv output); each token's [Hkv, D] is dense
-  if (key.stride(2) != 1 || key.stride(1) != key.size(2)) key = key.contiguous();
-  if (value.stride(2) != 1 || value.stride(1) != value.size(2)) value = value.contiguous();
+  if (!dense_heads(key)) key = key.contiguous();
+  if (!dense_heads(value)) value = value.contiguous();
   slot_mapping = slot_mapping.to(torch::kLong).contiguous();
   const int64_t tokens = key.size(0), row = key.size(1) * key.size(2), block_size = k_cache.size(1);
   const float* kp = key.data_ptr<float>();
@@ -297,7 +302,7 @@ torch::Tensor silu_and_mul(torch::Tensor gate_up) {
 
 // x * cos + rotate_half(x) * sin for x [T, H, D] with dense heads, cos/sin [T, D]; a new tensor
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && x.stride(2) == 1 && x.stride(1) == x.size(2),
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && dense_heads(x),
               "apply_rotary (cpu): float32 [T, H, D] with dense heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2));
   auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
