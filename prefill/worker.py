@@ -261,4 +261,5 @@ class PrefillWorker(WorkerRole):
         jobs = [j for j in self.records.values() if isinstance(j, PrefillJob)]
         held = sum(1 for j in jobs if j.prefilled and j.reserved is None)
         shipping = sum(1 for j in jobs if j.reserved is not None)
-        return super().queue_depths() | {"held": held, "transferring": shipping}
+        early = len(self._early)  # Reserved kept for a Prefill (or Reassign) still to come
+        return super().queue_depths() | {"held": held, "transferring": shipping, "early_reserved": early}

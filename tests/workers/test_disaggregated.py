@@ -80,14 +80,21 @@ async def start_chunked_pair(cluster: Cluster, kv_blocks_per_message: int) -> tu
 async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
-    # chunked prefill (16 tokens a step) and 2-block KV messages: the 37-token prompt ships in 2 chunks,
-    # the first while its last prefill chunk computes
+    # chunked prefill (16 tokens a step) and 2-block KV messages: the 37-token prompt ships in >= 2
+    # chunks, the first while its later prefill chunks compute. D's Reserved messages reach P before the
+    # Prefills, so every shipper starts before the first step ends (else a late Reserved would find the
+    # prefill finished and ship it whole, which is correct but not what this test is about)
     p, d = await start_chunked_pair(cluster, kv_blocks_per_message=2)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
     prompts = {1: random_prompt(rng, 37), 2: random_prompt(rng, 5), 3: random_prompt(rng, 16)}
-    for rid, prompt in prompts.items():
-        await dispatch(coord, p, d, execution_request(rid, prompt, 8, identity=identity))
+    requests = {rid: execution_request(rid, prompt, 8, identity=identity) for rid, prompt in prompts.items()}
+    for req in requests.values():
+        await coord.send(d.settings.worker_id, decode={"request": req, "prefill": endpoint(p)})
+    assert p.role is not None
+    await wait_until(lambda: p.role.queue_depths()["early_reserved"] == 3, "P to hold 3 early Reserved")  # type: ignore[union-attr]
+    for req in requests.values():
+        await coord.send(p.settings.worker_id, prefill={"request": req, "decode": endpoint(d)})
     got = await coord.collect(set(prompts))
     for rid, prompt in prompts.items():
         assert got[rid] == (greedy(prompt, 8), LENGTH)
