@@ -74,6 +74,50 @@ inline void dots4(const float* q, const float* k, int64_t stride, int64_t n, flo
   out[3] = hsum8(a3);
 }
 
+// The three levels of a transpose-reduce: lane i of the result of all three holds the sum of
+// input vector i (eight horizontal sums for the price of seven shuffle pairs).
+inline v8 pair_sums(v8 a, v8 b) {
+  return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+         __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+}
+
+inline v8 quad_sums(v8 a, v8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+         __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+}
+
+inline v8 oct_sums(v8 a, v8 b) {
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+// lane i = <q, k + i * stride> for i < 8, n a multiple of 8: each chunk of q is loaded once
+inline v8 dots8(const float* q, const float* k, int64_t stride, int64_t n) {
+  v8 a[8] = {};
+  for (int64_t d = 0; d < n; d += 8) {
+    const v8 qd = load8(q + d);
+    for (int i = 0; i < 8; ++i) a[i] += qd * load8(k + i * stride + d);
+  }
+  return oct_sums(quad_sums(pair_sums(a[0], a[1]), pair_sums(a[2], a[3])),
+                  quad_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7])));
+}
+
+// acc[g] = acc[g] * rescale[g] + sum_t s[g][t] * v[t] for the G query heads of one kv head: each
+// chunk of a value row is loaded once for all G
+template <int G>
+inline void accumulate_values(const float* s, int64_t s_stride, const float* rescale, const float* v,
+                              int64_t v_row, int64_t n, int64_t head_dim, float* acc) {
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    v8 c[G];
+    for (int g = 0; g < G; ++g) c[g] = load8(acc + g * head_dim + d) * rescale[g];
+    for (int64_t t = 0; t < n; ++t) {
+      const v8 vd = load8(v + t * v_row + d);
+      for (int g = 0; g < G; ++g) c[g] += s[g * s_stride + t] * vd;
+    }
+    for (int g = 0; g < G; ++g) store8(acc + g * head_dim + d, c[g]);
+  }
+}
+
 inline float max_of(const float* x, int64_t n) {
   int64_t t = 0;
   float m = -std::numeric_limits<float>::infinity();
@@ -89,9 +133,16 @@ inline float max_of(const float* x, int64_t n) {
   return m;
 }
 
-inline void prefetch_span(const float* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i);  // one 64-byte line per call
+// Prefetch slice `part` of `parts` of the n floats at p (whole 64-byte lines) into L2, not L1: a
+// K/V block is 2 x 8 KiB at the benchmark shape, and fetching the next ones into a 32 KiB L1 evicts
+// the block being read (2x slower, measured).
+inline void prefetch_slice(const float* p, int64_t n, int64_t part, int64_t parts) {
+  const int64_t lines = (n + 15) / 16;
+  for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i)
+    __builtin_prefetch(p + i * 16, /*rw=*/0, /*locality=*/2);
 }
+
+constexpr size_t kPrefetchAhead = 2;  // blocks: ~1 us of work each, a DRAM latency is ~0.1 us
 
 }  // namespace
 
@@ -130,6 +181,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   const int64_t k_block = k_cache.stride(0), k_row = k_cache.stride(1);
   const int64_t v_block = v_cache.stride(0), v_row = v_cache.stride(1);
   const float sc = static_cast<float>(scale);
+  const int64_t heads_per_pass = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;  // share value rows
 
   // One task per sequence, so each K/V block is read whole, once; the `group` query heads of a kv
   // head share every row loaded. Each thread takes a contiguous run of sequences holding ~1/threads
@@ -142,45 +194,57 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
       return std::lower_bound(bounds.begin(), bounds.end(), bounds.back() * slot / threads) - bounds.begin();
     };
     const int64_t padded = (block_size + 7) / 8 * 8;  // score rows in whole v8 lanes
-    std::vector<float> qs(num_heads * head_dim), acc(num_heads * head_dim), scores(padded);
-    std::vector<float> row_max(num_heads), denom(num_heads);
-    for (int64_t b = seq_at(first_slot); b < seq_at(end_slot); ++b) {
+    std::vector<float> qs(num_heads * head_dim), acc(num_heads * head_dim), scores(num_heads * padded);
+    std::vector<float> row_max(num_heads), denom(num_heads), rescale(num_heads);
+    // the blocks this thread reads, in order (across its sequences): while one block is read, the one
+    // kPrefetchAhead later is prefetched, a slice per query head
+    const int64_t first_seq = seq_at(first_slot), end_seq = seq_at(end_slot);
+    std::vector<int64_t> visits;
+    for (int64_t b = first_seq; b < end_seq; ++b)
+      for (int64_t i = 0; i * block_size < lens[b]; ++i) visits.push_back(tables[b * width + i]);
+    for (size_t i = 0; i < kPrefetchAhead && i < visits.size(); ++i) {
+      prefetch_slice(kp + visits[i] * k_block, block_size * k_row, 0, 1);
+      prefetch_slice(vp + visits[i] * v_block, block_size * v_row, 0, 1);
+    }
+    size_t visit = 0;
+    for (int64_t b = first_seq; b < end_seq; ++b) {
       const int64_t len = lens[b];
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = qp[b * q_token + i] * sc;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(denom.begin(), denom.end(), 0.f);
-      for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t block = tables[b * width + start / block_size];
-        const int64_t n = std::min(block_size, len - start);
-        if (start + block_size < len) {  // the next block is elsewhere in memory: ask for it now
-          const int64_t next = tables[b * width + start / block_size + 1];
-          prefetch_span(kp + next * k_block, block_size * k_row);
-          prefetch_span(vp + next * v_block, block_size * v_row);
-        }
+      for (int64_t start = 0; start < len; start += block_size, ++visit) {
+        const int64_t block = visits[visit], n = std::min(block_size, len - start);
+        const int64_t next = visit + kPrefetchAhead < visits.size() ? visits[visit + kPrefetchAhead] : -1;
         for (int64_t hq = 0; hq < num_heads; ++hq) {
+          if (next >= 0) {
+            prefetch_slice(kp + next * k_block, block_size * k_row, hq, num_heads);
+            prefetch_slice(vp + next * v_block, block_size * v_row, hq, num_heads);
+          }
           const int64_t h = hq / group;
           const float* kb = kp + block * k_block + h * head_dim;
-          const float* vb = vp + block * v_block + h * head_dim;
           const float* qh = qs.data() + hq * head_dim;
-          float* s = scores.data();
+          float* s = scores.data() + hq * padded;
           int64_t t = 0;
+          for (; t + 8 <= n; t += 8) store8(s + t, dots8(qh, kb + t * k_row, k_row, head_dim));
           for (; t + 4 <= n; t += 4) dots4(qh, kb + t * k_row, k_row, head_dim, s + t);
           for (; t < n; ++t) s[t] = dot(qh, kb + t * k_row, head_dim);
           // online softmax: rescale what was accumulated to this block's running max
           const float new_max = std::max(row_max[hq], max_of(s, n));
           // the running max settles early in a sequence: skip the exp while it holds
-          const float rescale = new_max > row_max[hq] ? std::exp(row_max[hq] - new_max) : 1.f;
+          rescale[hq] = new_max > row_max[hq] ? std::exp(row_max[hq] - new_max) : 1.f;
           row_max[hq] = new_max;
           for (t = 0; t < n; t += 8) store8(s + t, exp8(load8(s + t) - new_max));
-          denom[hq] = denom[hq] * rescale + std::accumulate(s, s + n, 0.f);
-          // one output chunk at a time stays in a register across the block's rows
+          denom[hq] = denom[hq] * rescale[hq] + std::accumulate(s, s + n, 0.f);
+        }
+        for (int64_t hq = 0; hq < num_heads; hq += heads_per_pass) {
+          const float* vb = vp + block * v_block + (hq / group) * head_dim;
+          const float* s = scores.data() + hq * padded;
           float* a = acc.data() + hq * head_dim;
-          for (int64_t d = 0; d < head_dim; d += 8) {
-            v8 chunk = load8(a + d) * rescale;
-            for (t = 0; t < n; ++t) chunk += s[t] * load8(vb + t * v_row + d);
-            store8(a + d, chunk);
-          }
+          const float* r = &rescale[hq];
+          if (heads_per_pass == 4) accumulate_values<4>(s, padded, r, vb, v_row, n, head_dim, a);
+          else if (heads_per_pass == 2) accumulate_values<2>(s, padded, r, vb, v_row, n, head_dim, a);
+          else accumulate_values<1>(s, padded, r, vb, v_row, n, head_dim, a);
         }
       }
       float* ob = op + b * num_heads * head_dim;
