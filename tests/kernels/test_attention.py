@@ -89,8 +89,8 @@ def test_prefill_triton_matches_reference(case: Case) -> None:
 @pytest.mark.parametrize("case", [*CASES, (16, 4, 2, 16), (12, 2, 8, 32)])
 def test_decode_cpp_matches_reference(case: Case) -> None:
     # long sequences (many blocks, a partial last block); queries as a strided view of a fused
-    # projection; unused slots poisoned: the C++ kernel, like Triton, never reads them (nor prefetches
-    # into a result). Block 12: scores in runs of 8 then 4; group 8: two passes of 4 heads per kv head
+    # projection; unused slots poisoned: the C++ kernel, like Triton, never computes with them (its
+    # prefetches may touch them). Block 12: scores in runs of 8 then 4; group 8: two passes of 4 heads
     seqs = [*DECODE, (300, 1), (47, 1)]
     paged, q, _, scale = _inputs(case, seqs, seed=16, unused=float("nan"))
     fused = torch.cat([q, torch.randn_like(q)], dim=1)

@@ -46,10 +46,20 @@ async def dispatch(
     decode_first: bool = False,
 ) -> None:
     """What the coordinator does for one request: Prefill to P and Decode to D at once."""
-    prefill = ("prefill", {"request": req, "decode": endpoint(d)}, p.settings.worker_id)
-    decode = ("decode", {"request": req, "prefill": endpoint(p)}, d.settings.worker_id)
-    for kind, msg, to in (decode, prefill) if decode_first else (prefill, decode):
-        await coord.send(to, **{kind: msg})
+    for send in (send_decode, send_prefill) if decode_first else (send_prefill, send_decode):
+        await send(coord, p, d, req)
+
+
+async def send_prefill(
+    coord: ScriptedCoordinator, p: Worker, d: Worker, req: control_pb2.ExecutionRequest
+) -> None:
+    await coord.send(p.settings.worker_id, prefill={"request": req, "decode": endpoint(d)})
+
+
+async def send_decode(
+    coord: ScriptedCoordinator, p: Worker, d: Worker, req: control_pb2.ExecutionRequest
+) -> None:
+    await coord.send(d.settings.worker_id, decode={"request": req, "prefill": endpoint(p)})
 
 
 async def wait_until(cond: Callable[[], bool], what: str) -> None:
@@ -90,11 +100,11 @@ async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     prompts = {1: random_prompt(rng, 37), 2: random_prompt(rng, 5), 3: random_prompt(rng, 16)}
     requests = {rid: execution_request(rid, prompt, 8, identity=identity) for rid, prompt in prompts.items()}
     for req in requests.values():
-        await coord.send(d.settings.worker_id, decode={"request": req, "prefill": endpoint(p)})
+        await send_decode(coord, p, d, req)
     assert p.role is not None
     await wait_until(lambda: p.role.queue_depths()["early_reserved"] == 3, "P to hold 3 early Reserved")  # type: ignore[union-attr]
     for req in requests.values():
-        await coord.send(p.settings.worker_id, prefill={"request": req, "decode": endpoint(d)})
+        await send_prefill(coord, p, d, req)
     got = await coord.collect(set(prompts))
     for rid, prompt in prompts.items():
         assert got[rid] == (greedy(prompt, 8), LENGTH)
