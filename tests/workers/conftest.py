@@ -47,6 +47,7 @@ class ScriptedCoordinator:
         self.address = self.router.address.removeprefix("tcp://")
         self.workers: dict[str, control_pb2.Register] = {}
         self.inbox: dict[str, asyncio.Queue[tuple[str, control_pb2.Envelope]]] = defaultdict(asyncio.Queue)
+        self._filed = asyncio.Event()  # set whenever a message lands in an inbox
         self._ids = itertools.count(1)
         self._task = asyncio.create_task(self._serve())
 
@@ -71,6 +72,7 @@ class ScriptedCoordinator:
             else:  # outputs share one FIFO ("output") so their order across kinds is kept
                 kind = "output" if got.kind in ("prefill_done", "token_batch", "preempted") else got.kind
                 self.inbox[kind].put_nowait((got.sender, got.envelope))
+                self._filed.set()
 
     async def send(self, worker_id: str, **msg: Any) -> None:
         await self.router.send(envelope(**msg), to=worker_id)
@@ -78,6 +80,17 @@ class ScriptedCoordinator:
     async def expect(self, kind: str, timeout: float = WAIT_S) -> tuple[str, control_pb2.Envelope]:
         """The next message of `kind` (bounded wait)."""
         return await asyncio.wait_for(self.inbox[kind].get(), timeout)
+
+    async def expect_first(self, *kinds: str, timeout: float = WAIT_S) -> tuple[str, control_pb2.Envelope]:
+        """The next message of any of `kinds` (bounded wait). Unlike racing one `expect` per kind and
+        cancelling the losers, it never takes a message off a queue without returning it."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self._filed.clear()  # before looking: a message filed after the look sets it again
+            for kind in kinds:
+                if not self.inbox[kind].empty():
+                    return self.inbox[kind].get_nowait()
+            await asyncio.wait_for(self._filed.wait(), max(0.0, deadline - time.monotonic()))
 
     async def collect(self, rids: set[int]) -> dict[int, tuple[list[int], int]]:
         """Gather PrefillDone and TokenBatch output until every rid finished: rid -> (tokens, finish).

@@ -237,41 +237,32 @@ async def test_preempted_request_resumes_through_prefill_with_identical_output(
     refused: set[int] = set()
     preempted = 0
     while done != {1, 2}:
-        get_out = asyncio.ensure_future(coord.expect("output"))
-        get_refused = asyncio.ensure_future(coord.expect("reserve_failed"))
-        ready, pending = await asyncio.wait({get_out, get_refused}, return_when=asyncio.FIRST_COMPLETED)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for task in ready:
-            _, env = task.result()
-            if env.HasField("reserve_failed"):  # D is full now: place it again once the other finishes
-                refused.add(env.reserve_failed.rid)
-            elif env.HasField("preempted"):
-                pre = env.preempted
-                preempted += 1
-                assert pre.num_output_tokens == len(tokens[pre.rid])
-                reqs[pre.rid] = execution_request(  # resume: prompt + everything streamed, next generation
-                    pre.rid,
-                    prompts[pre.rid],
-                    30,
-                    generation=reqs[pre.rid].generation + 1,
-                    output=tokens[pre.rid],
-                    identity=identity,
-                )
-                await dispatch(coord, p, d, reqs[pre.rid])
-            else:
-                items = [env.prefill_done.output] if env.HasField("prefill_done") else env.token_batch.items
-                for item in items:
-                    assert (
-                        item.offset == len(tokens[item.rid]) and item.generation == reqs[item.rid].generation
-                    )
-                    tokens[item.rid] += wire.unpack_ids(item.token_ids)
-                    if item.finish_reason:
-                        done.add(item.rid)
-                for rid in refused - done if done else ():
-                    await coord.send("d0", decode={"request": reqs[rid], "prefill": endpoint(p)})
-                    refused.discard(rid)
+        _, env = await coord.expect_first("output", "reserve_failed")
+        if env.HasField("reserve_failed"):  # D is full now: place it again once the other finishes
+            refused.add(env.reserve_failed.rid)
+        elif env.HasField("preempted"):
+            pre = env.preempted
+            preempted += 1
+            assert pre.num_output_tokens == len(tokens[pre.rid])
+            reqs[pre.rid] = execution_request(  # resume: prompt + everything streamed, next generation
+                pre.rid,
+                prompts[pre.rid],
+                30,
+                generation=reqs[pre.rid].generation + 1,
+                output=tokens[pre.rid],
+                identity=identity,
+            )
+            await dispatch(coord, p, d, reqs[pre.rid])
+        else:
+            items = [env.prefill_done.output] if env.HasField("prefill_done") else env.token_batch.items
+            for item in items:
+                assert item.offset == len(tokens[item.rid]) and item.generation == reqs[item.rid].generation
+                tokens[item.rid] += wire.unpack_ids(item.token_ids)
+                if item.finish_reason:
+                    done.add(item.rid)
+            for rid in refused - done if done else ():
+                await send_decode(coord, p, d, reqs[rid])
+                refused.discard(rid)
     assert preempted > 0, "the pool never ran short"
     for rid, prompt in prompts.items():
         assert tokens[rid] == greedy(prompt, 30)
