@@ -79,7 +79,7 @@ class ScriptedCoordinator:
 
     async def expect(self, kind: str, timeout: float = WAIT_S) -> tuple[str, control_pb2.Envelope]:
         """The next message of `kind` (bounded wait)."""
-        return await asyncio.wait_for(self.inbox[kind].get(), timeout)
+        return await self.expect_first(kind, timeout=timeout)
 
     async def expect_first(self, *kinds: str, timeout: float = WAIT_S) -> tuple[str, control_pb2.Envelope]:
         """The next message of any of `kinds` (bounded wait). Unlike racing one `expect` per kind and

@@ -50,6 +50,22 @@ async def dispatch(
         await send(coord, p, d, req)
 
 
+async def dispatch_reserved_first(
+    coord: ScriptedCoordinator, p: Worker, d: Worker, reqs: list[control_pb2.ExecutionRequest]
+) -> None:
+    """Decode to D for every request, then (once P holds all of D's Reserved) Prefill to P: every
+    shipper exists before P's first step ends, so the KV can stream while the prefill computes."""
+    for req in reqs:
+        await send_decode(coord, p, d, req)
+    assert p.role is not None
+    await wait_until(
+        lambda: p.role.queue_depths()["early_reserved"] == len(reqs),  # type: ignore[union-attr]
+        "P to hold D's Reserved",
+    )
+    for req in reqs:
+        await send_prefill(coord, p, d, req)
+
+
 async def send_prefill(
     coord: ScriptedCoordinator, p: Worker, d: Worker, req: control_pb2.ExecutionRequest
 ) -> None:
@@ -98,13 +114,8 @@ async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
     prompts = {1: random_prompt(rng, 37), 2: random_prompt(rng, 5), 3: random_prompt(rng, 16)}
-    requests = {rid: execution_request(rid, prompt, 8, identity=identity) for rid, prompt in prompts.items()}
-    for req in requests.values():
-        await send_decode(coord, p, d, req)
-    assert p.role is not None
-    await wait_until(lambda: p.role.queue_depths()["early_reserved"] == 3, "P to hold 3 early Reserved")  # type: ignore[union-attr]
-    for req in requests.values():
-        await send_prefill(coord, p, d, req)
+    requests = [execution_request(rid, prompt, 8, identity=identity) for rid, prompt in prompts.items()]
+    await dispatch_reserved_first(coord, p, d, requests)
     got = await coord.collect(set(prompts))
     for rid, prompt in prompts.items():
         assert got[rid] == (greedy(prompt, 8), LENGTH)
@@ -293,10 +304,7 @@ async def test_kv_streams_chunk_by_chunk_while_the_prefill_computes(
     coord, rng = cluster.coordinator, random.Random(11)
     prompt = random_prompt(rng, 96)
     req = execution_request(1, prompt, 4, identity=p.engine.loaded.identity)
-    await coord.send(d.settings.worker_id, decode={"request": req, "prefill": endpoint(p)})
-    assert p.role is not None
-    await wait_until(lambda: 1 in p.role._early, "D's Reserved to reach P")  # type: ignore[union-attr]
-    await coord.send(p.settings.worker_id, prefill={"request": req, "decode": endpoint(d)})
+    await dispatch_reserved_first(coord, p, d, [req])
     got = await coord.collect({1})
     assert got[1] == (greedy(prompt, 4), LENGTH)
     chunks = d.metrics.registry.get_sample_value(
