@@ -13,6 +13,7 @@ from engine.sampler import Sampler, SamplingBatch
 from engine.scheduler import SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_context import StepContext
+from kernels import host_memory
 
 
 @dataclass(slots=True)
@@ -44,15 +45,10 @@ class ModelRunner:
         self.device = device
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler()
-        self.kv_cache = torch.zeros(
-            num_blocks,
-            cfg.num_hidden_layers,
-            2,
-            kv.block_size,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-            dtype=model.embed.dtype,
-            device=device,
+        self.kv_cache = host_memory.zeros(
+            (num_blocks, cfg.num_hidden_layers, 2, kv.block_size, cfg.num_key_value_heads, cfg.head_dim),
+            model.embed.dtype,
+            device,
         )
         # build or load the C++ CPU kernels now (a first build takes ~25 s), not in the first step
         kernels.dispatch.cpu_kernels(self.kv_cache)

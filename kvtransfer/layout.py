@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from kernels import host_memory
 from kvtransfer.errors import LayoutMismatch
 
 BLOCK_MAJOR = "block-major"
@@ -66,8 +67,9 @@ class KVLayout:
         return n * self.torch_dtype.itemsize
 
     def new_cache(self, num_blocks: int, device: str | torch.device = "cpu") -> torch.Tensor:
-        """A zeroed block-major cache tensor of `num_blocks` blocks; the caller owns it."""
-        return torch.zeros((num_blocks, *self.block_shape), dtype=self.torch_dtype, device=device)
+        """A zeroed block-major cache tensor of `num_blocks` blocks (host caches on huge pages, see
+        `kernels.host_memory`); the caller owns it."""
+        return host_memory.zeros((num_blocks, *self.block_shape), self.torch_dtype, device)
 
     def check_cache(self, cache: torch.Tensor) -> None:
         """Raise ValueError unless `cache` is a contiguous block-major tensor of this layout."""

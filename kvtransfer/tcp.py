@@ -139,11 +139,13 @@ class TcpPeer(Peer):
         task.add_done_callback(self._check_task)
 
     async def _receive_data(self, tag: int, nbytes: int) -> None:
-        recv = self._posted.pop(tag, None)
+        recv = self._posted.get(tag)
         if recv is None or not recv.matched:
             raise ConnectionError(f"DATA for tag {tag:#x} that was never cleared to send")
         target = torch.empty(nbytes, dtype=torch.uint8) if recv.buf.is_cuda else recv.buf
+        # Still posted while the payload streams in, so a connection lost midway fails it (`_fail`).
         await self._read_exactly(_host_view(target))
+        del self._posted[tag]
         if recv.buf.is_cuda:
             as_bytes(recv.buf).copy_(target)
         recv.done.set_result(True)

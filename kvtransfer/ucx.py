@@ -7,7 +7,8 @@ hello exchange uses the endpoint's private tags.
 
 Why the defaults are what they are is measured in docs/kvtransfer.md. In short: UCXX endpoints ask
 for peer error handling (needed to survive a peer's death), which rules out UCX's shared-memory
-transports unless `MM_ERROR_HANDLING=y`; without it every byte goes over TCP loopback.
+transports unless `MM_ERROR_HANDLING=y` (without it every byte goes over TCP loopback) and its
+single-copy CMA unless `CMA_MEMORY_INVALIDATE=y` (without it every byte is copied twice).
 
 Cancelling one posted receive: UCX supports it (`ucp_request_cancel`) and UCXX implements it in
 `ucxx::Request::cancel()`, but the Python binding does not expose it, so `_cancel_request` calls the
@@ -21,6 +22,7 @@ import ctypes
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +45,13 @@ DEFAULT_UCX_OPTIONS: dict[str, str] = {
     "RNDV_FRAG_MEM_TYPE": "host",
     # Pipeline fragments that stay in a core's L2 (default 512k measured slower).
     "RNDV_FRAG_SIZE": "host:128k",
+    # Single copy between processes on one host: with it, UCX moves rendezvous messages by CMA
+    # (the receiver's `process_vm_readv` straight from the sender's buffer) under peer error
+    # handling; without it, CMA is left out and every byte is copied twice through shared memory.
+    # UCX's caveat ("invalidation not really supported") means a receiver may still read a send
+    # buffer the sender gave up on: `UcxPeer.send` keeps such buffers alive until UCX is done, and
+    # the session contract already lets only an aborted receiver read an abandoned send.
+    "CMA_MEMORY_INVALIDATE": "y",
 }
 
 
@@ -184,7 +193,14 @@ class UcxPostedRecv(PostedRecv):
     def cancel(self) -> None:
         if not self._cancel_requested:
             self._cancel_requested = True
-            self._peer.lib.request_cancel(ctypes.c_void_p(self._request.ucxx_ptr))
+            self.withdraw()
+
+    def withdraw(self) -> None:
+        """Cancel in UCX without asking: `wait()` then reports the peer lost (UcxPeer's use)."""
+        self._peer.lib.request_cancel(ctypes.c_void_p(self._request.ucxx_ptr))
+
+    def add_done_callback(self, callback: Callable[[], None]) -> None:
+        self._done.add_done_callback(lambda _: callback())
 
     async def wait(self) -> bool:
         from ucxx.exceptions import UCXCanceledError, UCXError
@@ -212,6 +228,8 @@ class UcxPeer(Peer):
         self.lib = lib
         self.spinner = spinner
         self._transports = lib.endpoint_lanes(endpoint.ucp_endpoint)
+        self._posted: set[UcxPostedRecv] = set()
+        self._abandoned: list[tuple[Any, torch.Tensor]] = []  # (send request, its buffer)
         # UCXX calls this from its progress thread when the endpoint fails (peer died, link broke).
         endpoint.set_close_callback(self._on_close, cb_args=(loop,))
 
@@ -219,30 +237,51 @@ class UcxPeer(Peer):
         if not loop.is_closed():
             loop.call_soon_threadsafe(self._mark_lost, "UCX endpoint closed or failed")
 
+    def _mark_lost(self, reason: str) -> None:
+        super()._mark_lost(reason)
+        # Tag receives belong to the worker, not the endpoint: one posted after UCX failed the
+        # endpoint but before this ran would wait forever. Withdraw every one still pending.
+        for posted in list(self._posted):
+            posted.withdraw()
+
     @property
     def transports(self) -> str:
         return f"ucx: {self._transports}"
 
     def post_recv(self, tag: int, buf: torch.Tensor) -> UcxPostedRecv:
+        from ucxx.exceptions import UCXError
         from ucxx.types import Tag, TagMaskFull
 
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
+        try:
+            self.endpoint._ep.raise_on_error()
+        except UCXError as e:
+            raise PeerLost(f"endpoint failed: {e}") from e
         # The public `Endpoint.recv`/`send` hide the request objects, which cancelling and the
         # spinner need; `_ep` is UCXX's low-level endpoint.
-        request = self.endpoint._ep.tag_recv(_ucx_array(buf), Tag(tag), TagMaskFull)
-        return UcxPostedRecv(self, request)
+        posted = UcxPostedRecv(self, self.endpoint._ep.tag_recv(_ucx_array(buf), Tag(tag), TagMaskFull))
+        self._posted.add(posted)
+        posted.add_done_callback(lambda: self._posted.discard(posted))
+        return posted
 
     async def send(self, tag: int, buf: torch.Tensor) -> None:
         from ucxx.exceptions import UCXError
+        from ucxx.types import Tag
 
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
-        from ucxx.types import Tag
-
+        self._abandoned = [(r, b) for r, b in self._abandoned if not r.completed]
         try:
             self.endpoint._ep.raise_on_error()
-            await self.spinner.wait(self.endpoint._ep.tag_send(_ucx_array(buf), Tag(tag)))
+            request = self.endpoint._ep.tag_send(_ucx_array(buf), Tag(tag))
+            try:
+                await self.spinner.wait(request)
+            except asyncio.CancelledError:
+                # The caller gave up (a session abort), UCX has not: a receiver may still read
+                # `buf` (CMA) or our progress copy it out. Keep it alive until UCX is done.
+                self._abandoned.append((request, buf))
+                raise
         except UCXError as e:
             raise PeerLost(f"send failed: {e}") from e
 

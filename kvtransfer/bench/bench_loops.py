@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kernels import host_memory
 from kvtransfer.transport import Peer, PostedRecv, Transport
 
 LLC_FALLBACK_BYTES = 32 << 20
@@ -48,16 +49,14 @@ def cpu_seconds() -> float:
 
 
 def new_ring(size: int, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
-    """A ring of `size`-byte buffers, zeroed, or filled from `seed` (each buffer differs)."""
+    """A ring of `size`-byte buffers, zeroed, or filled from `seed` (each buffer differs); host
+    buffers are allocated as KV caches are (`host_memory.zeros`)."""
     ring = []
     for j in range(ring_count(size)):
-        if seed is None:
-            buf = torch.zeros(size, dtype=torch.uint8)
-        else:
-            buf = torch.randint(
-                0, 256, (size,), generator=torch.Generator().manual_seed(seed + j), dtype=torch.uint8
-            )
-        ring.append(buf.to(device))
+        buf = host_memory.zeros((size,), torch.uint8, device)
+        if seed is not None:
+            buf.copy_(torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(seed + j)))
+        ring.append(buf)
     return ring
 
 
@@ -75,9 +74,12 @@ def percentiles_us(samples: list[float]) -> dict[str, float]:
 
 
 def memcpy_gbps(size: int, duration_s: float) -> float:
-    """Single-thread memcpy bandwidth (10^9 bytes/s) over rings of `size`-byte buffers."""
-    src = [np.full(size, j % 256, dtype=np.uint8) for j in range(ring_count(size))]
-    dst = [np.empty(size, dtype=np.uint8) for _ in src]
+    """Single-thread memcpy bandwidth (10^9 bytes/s) over rings of `size`-byte buffers, allocated
+    as the transfers' rings are."""
+    src = [host_memory.zeros((size,), torch.uint8).numpy() for _ in range(ring_count(size))]
+    dst = [host_memory.zeros((size,), torch.uint8).numpy() for _ in src]
+    for j, s in enumerate(src):
+        s.fill(j % 256)
     for s, d in zip(src, dst, strict=True):  # first touch outside the timed loop
         np.copyto(d, s)
     n, t0 = 0, time.perf_counter()
@@ -93,6 +95,11 @@ class BenchLoops:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
         self._ring: list[torch.Tensor] = []
+        self.landed = 0  # bench messages received over this agent's life
+
+    async def op_landed(self) -> dict[str, Any]:
+        """How many bench messages landed so far (a test's readiness probe for a running stream)."""
+        return {"landed": self.landed}
 
     def _peer(self, address: str) -> Peer:
         peer = self.transport.peer(address)
@@ -122,14 +129,21 @@ class BenchLoops:
             if not await posted.wait():
                 raise RuntimeError("a bench receive was cancelled")
             landed_at.append(loop.time())
+            self.landed += 1
 
         pending: deque[asyncio.Future[None]] = deque()
         cpu0 = cpu_seconds()
-        for i in range(iters):
-            if len(pending) >= window:
-                await pending.popleft()
-            pending.append(asyncio.ensure_future(land(remote.post_recv(tag_base + i, ring[i % len(ring)]))))
-        await asyncio.gather(*pending)
+        try:
+            for i in range(iters):
+                if len(pending) >= window:
+                    await pending.popleft()
+                posted = remote.post_recv(tag_base + i, ring[i % len(ring)])
+                pending.append(asyncio.ensure_future(land(posted)))
+        finally:  # a lost peer fails every posted receive: collect them all, report the first
+            outcomes = await asyncio.gather(*pending, return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         cpu = cpu_seconds() - cpu0
         span = landed_at[-1] - landed_at[0] if len(landed_at) > 1 else 0.0
         checksums = ring_checksums(ring, min(iters, len(ring))) if verify else None
@@ -142,12 +156,16 @@ class BenchLoops:
         ring, remote = self._ring, self._peer(peer)
         slots = asyncio.Semaphore(depth)
         latencies: list[float] = []
+        failures: list[Exception] = []
 
         async def one(i: int) -> None:
             try:
                 t0 = time.perf_counter()
                 await remote.send(tag_base + i, ring[i % len(ring)])
                 latencies.append(time.perf_counter() - t0)
+            except Exception as e:
+                failures.append(e)
+                raise
             finally:
                 slots.release()
 
@@ -155,6 +173,8 @@ class BenchLoops:
         cpu0, t0 = cpu_seconds(), time.perf_counter()
         for i in range(iters):
             await slots.acquire()
+            if failures:  # the peer is gone: stop issuing, report the first failure below
+                break
             sends.append(asyncio.ensure_future(one(i)))
         await asyncio.gather(*sends)
         elapsed, cpu = time.perf_counter() - t0, cpu_seconds() - cpu0

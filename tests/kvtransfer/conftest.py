@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 
 import pytest
@@ -78,3 +79,21 @@ async def pair(agents: tuple[SpawnedAgent, SpawnedAgent]) -> AsyncIterator[Pair]
     yield p
     p.recv.close()
     p.send.close()
+
+
+async def assert_session_bit_exact(pair: Pair, rid: str, config: Mapping[str, float] | None = None) -> None:
+    """One whole session of 24 fragmented blocks: the bytes land exactly, both pools end free."""
+    reserved = await pair.recv.call(
+        "reserve", rid=rid, gen=0, n_blocks=24, peer=pair.sender.address, config=config
+    )
+    ids = reserved["block_ids"]
+    assert any(b != a + 1 for a, b in itertools.pairwise(ids)), "reservation should be fragmented"
+    sent = await pair.send.call(
+        "send", rid=rid, gen=0, peer=pair.receiver.address, dst_ids=ids, seed=7, config=config
+    )
+    assert sent["sent"], sent
+    await pair.recv.call("mark_done", rid=rid, gen=0, first_token=42, checksums=sent["checksums"])
+    result = await pair.recv.call("wait_recv", rid=rid, gen=0, seed=7)
+    assert result == {"id": result["id"], "ok": True, "done": True, "first_token": 42, "exact": True}
+    await pair.send.call("ack", rid=rid, gen=0)
+    await pair.pools_free()

@@ -1,0 +1,62 @@
+"""Two real processes, both backends: one dies in the middle of a stream of large messages (on one
+host UCX moves them by the receiver's CMA reads from the sender's memory). The survivor's transfer
+fails with PeerLost, and the survivor keeps serving: it pairs with a new peer and moves bytes exactly."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
+from tests.kvtransfer.conftest import agent_args, assert_session_bit_exact, connect_pair
+
+MESSAGE_BYTES = 64 << 20  # ~10 ms per message here: a kill lands inside one
+ENDLESS = 1 << 20  # messages: the stream outlives the test
+WAIT_S = 60.0
+
+
+async def wait_for_stream(recv: AgentClient, messages: int) -> None:
+    """Bounded wait until the receiver has landed `messages` bench messages."""
+    deadline = time.monotonic() + WAIT_S
+    while (await recv.call("landed"))["landed"] < messages:
+        assert time.monotonic() < deadline, f"fewer than {messages} messages landed in {WAIT_S} s"
+        await asyncio.sleep(0.01)  # poll interval of a bounded wait
+
+
+@pytest.mark.parametrize("victim", ["sender", "receiver"])
+async def test_peer_killed_mid_stream_leaves_the_survivor_serving(
+    own_agents: tuple[SpawnedAgent, SpawnedAgent], backend: str, victim: str
+) -> None:
+    pair = await connect_pair(*own_agents)
+    await asyncio.gather(
+        pair.recv.call("ring", size=MESSAGE_BYTES), pair.send.call("ring", size=MESSAGE_BYTES, seed=1)
+    )
+    common = {"iters": ENDLESS, "tag_base": 1 << 40, "timeout": WAIT_S}
+    receiving = asyncio.ensure_future(pair.recv.call("bench_recv", peer=pair.sender.address, **common))
+    sending = asyncio.ensure_future(
+        pair.send.call("bench_send", peer=pair.receiver.address, depth=2, **common)
+    )
+    await wait_for_stream(pair.recv, 3)
+
+    sender_dies = victim == "sender"
+    dead, alive = (pair.sender, pair.receiver) if sender_dies else (pair.receiver, pair.sender)
+    dead.process.kill()
+    with pytest.raises(AgentError, match="PeerLost"):
+        await (receiving if sender_dies else sending)
+    (sending if sender_dies else receiving).cancel()  # the dead agent's call never answers
+    await asyncio.gather(receiving, sending, return_exceptions=True)
+    assert alive.process.poll() is None, "the survivor died with its peer"
+    pair.recv.close()
+    pair.send.close()
+
+    # The survivor pairs with a fresh agent in the dead one's role and moves a session exactly.
+    fresh = spawn_agent(agent_args(backend, fragment=3))
+    try:
+        new_pair = await connect_pair(*((alive, fresh) if sender_dies else (fresh, alive)))
+        await assert_session_bit_exact(new_pair, "after-death")
+        new_pair.recv.close()
+        new_pair.send.close()
+    finally:
+        fresh.stop()
