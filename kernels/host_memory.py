@@ -7,9 +7,10 @@ Measured in docs/kvtransfer.md ("Huge pages"). numpy already asks for huge pages
 arrays; torch's CPU allocator does not unless `THP_MEM_ALLOC_ENABLE=1` is set for the whole process.
 
 Ownership: the returned tensor owns its anonymous mapping (through `torch.frombuffer`); the mapping
-is unmapped when the last tensor viewing it is freed. Pages are zero and untouched until first
-written, so a large cache costs memory only as it is used. Where the kernel's THP mode is `never`
-the buffer simply gets ordinary pages.
+is unmapped when the last tensor viewing it is freed. Every page is faulted in at allocation (as
+`torch.zeros` does), so a cache that does not fit fails at start rather than mid-serving, and no
+step pays for first touches. Where the kernel's THP mode is `never` the buffer simply gets
+ordinary pages.
 """
 
 from __future__ import annotations
@@ -33,4 +34,4 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     mapping.madvise(mmap.MADV_HUGEPAGE)
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
-    return raw[offset : offset + nbytes].view(dtype).view(shape)
+    return raw[offset : offset + nbytes].zero_().view(dtype).view(shape)  # zero_(): fault in now
