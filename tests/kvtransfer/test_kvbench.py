@@ -5,12 +5,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvtransfer.bench import cli, runner
-from kvtransfer.bench.control import spawn_agent
+from kvtransfer.bench.control import READY_PREFIX, spawn_agent
 from kvtransfer.bench.report import parse_size, parse_tokens
 
 REQUIRED = {
@@ -76,3 +78,28 @@ def test_pinned_agent_runs_on_the_core_it_was_given(tmp_path: Path) -> None:
     finally:
         agent.process.kill()
         agent.process.wait()
+
+
+@pytest.mark.parametrize("backend", ["ucx", "tcp"])
+def test_run_against_a_separate_serve_process(tmp_path: Path, backend: str) -> None:
+    """`kvbench serve` in its own process (as on another host), `kvbench run --peer` against it."""
+    serve_argv = ["serve", "--backend", backend, "--host", "127.0.0.1", "--advertise", "127.0.0.1"]
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "kvtransfer.bench.cli", *serve_argv, "--control-port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert serve.stdout is not None
+        # Wait (readiness): the served agent prints its control endpoint once it listens.
+        ready = next(line for line in serve.stdout if line.startswith(READY_PREFIX))
+        control = json.loads(ready[len(READY_PREFIX) :])["control"]
+        out = tmp_path / "rows.jsonl"
+        argv = ["run", "--backend", backend, "--peer", control, "--sizes", "1MiB", "--duration", "0.05"]
+        argv += ["--repeats", "1", "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]
+        assert cli.main(argv) == 0
+        (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+        assert row["backend"] == backend and row["verified"] is True and row["gbps"] > 0
+    finally:
+        serve.kill()
+        serve.wait()
