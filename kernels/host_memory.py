@@ -3,7 +3,7 @@
 Why: a block gather or an attention kernel walking a multi-GiB KV cache misses the TLB far less
 with 2 MiB pages, and a copy between processes (UCX's CMA single copy, `process_vm_readv`) looks up
 every page it touches: 16384 lookups for a 64 MiB message with 4 KiB pages, 32 with huge pages.
-Measured in docs/kvtransfer.md ("Huge pages"). numpy already asks for huge pages for its large
+Measured in docs/kvtransfer.md ("What got it there"). numpy already asks for huge pages for its large
 arrays; torch's CPU allocator does not unless `THP_MEM_ALLOC_ENABLE=1` is set for the whole process.
 
 Ownership: the returned tensor owns its anonymous mapping (through `torch.frombuffer`); the mapping
