@@ -11,8 +11,9 @@ transports unless `MM_ERROR_HANDLING=y` (without it every byte goes over TCP loo
 single-copy CMA unless `CMA_MEMORY_INVALIDATE=y` (without it every byte is copied twice).
 
 Cancelling one posted receive: UCX supports it (`ucp_request_cancel`) and UCXX implements it in
-`ucxx::Request::cancel()`, but the Python binding does not expose it, so `_UcxLib.request_cancel` calls the
-exported C++ method through ctypes. That needs requests submitted at once (no delayed submission).
+`ucxx::Request::cancel()`, but the Python binding does not expose it, so `_UcxLib.request_cancel`
+calls the exported C++ method through ctypes. That needs requests submitted at once (no delayed
+submission).
 """
 
 from __future__ import annotations
