@@ -197,6 +197,11 @@ class RecvSession(_Session):
             scatter_blocks(self.cache, self._ids(ids), staging)
         return landed
 
+    @property
+    def messages_landed(self) -> int:
+        """How many of the session's messages have landed so far."""
+        return sum(t.done() and not t.cancelled() and t.result() for t in self._landed)
+
     def mark_done(self, first_token: int, checksums: Sequence[int] | None = None) -> None:
         """The sender finished (KVDone): its first sampled token and, optionally, per-block CRC-32s."""
         self._first_token, self._done_marked = first_token, True

@@ -131,6 +131,11 @@ class Agent:
             "messages": len(self.recv_sessions[self._key(rid, gen)].messages) if post else 0,
         }
 
+    async def op_recv_progress(self, rid: str, gen: int) -> dict[str, Any]:
+        """Messages landed / planned of an open receive session (a test's readiness probe)."""
+        session = self.recv_sessions[self._key(rid, gen)]
+        return {"landed": session.messages_landed, "messages": len(session.messages)}
+
     async def op_free(self, block_ids: list[int]) -> dict[str, Any]:
         self.pool.free(block_ids)
         return {}

@@ -18,8 +18,10 @@ LAYOUT = KVLayout(
 NUM_BLOCKS = 64
 
 
-def agent_args(backend: str, layout: KVLayout = LAYOUT, fragment: int | None = 1) -> list[str]:
-    args = ["--backend", backend, "--layout", json.dumps(layout.to_dict()), "--num-blocks", str(NUM_BLOCKS)]
+def agent_args(
+    backend: str, layout: KVLayout = LAYOUT, fragment: int | None = 1, num_blocks: int = NUM_BLOCKS
+) -> list[str]:
+    args = ["--backend", backend, "--layout", json.dumps(layout.to_dict()), "--num-blocks", str(num_blocks)]
     return [*args, "--fragment", str(fragment)] if fragment is not None else args
 
 

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from kvtransfer import KVLayout
 from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
 from tests.kvtransfer.conftest import agent_args, assert_session_bit_exact, connect_pair
 
@@ -60,3 +61,48 @@ async def test_peer_killed_mid_stream_leaves_the_survivor_serving(
         new_pair.send.close()
     finally:
         fresh.stop()
+
+
+# 256 KiB blocks; a session of 480 blocks (120 MiB) in 16 MiB direct messages (pools unfragmented).
+BIG_LAYOUT = KVLayout(
+    dtype="float16", num_layers=4, block_size=16, num_kv_heads=8, head_dim=128, model_identity="big"
+)
+BIG_SESSION = {"lease_s": 120, "max_message_bytes": 16 << 20}
+
+
+async def test_sender_killed_mid_message_frees_receiver_pool(backend: str) -> None:
+    """The kill lands while a message's bytes stream in (not between messages, as in
+    test_sessions): the receive in progress must end too, so the session can release its blocks."""
+    receiver = spawn_agent(agent_args(backend, BIG_LAYOUT, fragment=None, num_blocks=512))
+    sender = spawn_agent(agent_args(backend, BIG_LAYOUT, fragment=None, num_blocks=512))
+    try:
+        pair = await connect_pair(receiver, sender)
+        reserved = await pair.recv.call(
+            "reserve", rid="k", gen=0, n_blocks=480, peer=sender.address, config=BIG_SESSION
+        )
+        sending = asyncio.ensure_future(
+            pair.send.call(
+                "send",
+                rid="k",
+                gen=0,
+                peer=receiver.address,
+                dst_ids=reserved["block_ids"],
+                config=BIG_SESSION,
+            )
+        )
+        deadline = time.monotonic() + WAIT_S
+        while (await pair.recv.call("recv_progress", rid="k", gen=0))["landed"] < 2:
+            assert time.monotonic() < deadline and not sending.done(), "the session did not start streaming"
+            await asyncio.sleep(0.001)  # poll interval of a bounded wait
+        sender.process.kill()
+        result = await pair.recv.call("wait_recv", rid="k", gen=0, timeout=WAIT_S)
+        assert not result["done"] and result["reason"].startswith("peer lost"), result
+        pool = await pair.recv.call("pool")
+        assert pool["intact"] and pool["free"] == pool["total"], pool
+        sending.cancel()
+        await asyncio.gather(sending, return_exceptions=True)
+        pair.recv.close()
+        pair.send.close()
+    finally:
+        sender.stop()
+        receiver.stop()
