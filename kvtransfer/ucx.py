@@ -249,16 +249,21 @@ class UcxPeer(Peer):
     def transports(self) -> str:
         return f"ucx: {self._transports}"
 
-    def post_recv(self, tag: int, buf: torch.Tensor) -> UcxPostedRecv:
+    def _check_usable(self, failure: str) -> None:
+        """Raise PeerLost if the peer is lost or UCX already failed its endpoint."""
         from ucxx.exceptions import UCXError
-        from ucxx.types import Tag, TagMaskFull
 
         if self.lost:
             raise PeerLost(self.lost_reason or "peer lost")
         try:
             self.endpoint._ep.raise_on_error()
         except UCXError as e:
-            raise PeerLost(f"endpoint failed: {e}") from e
+            raise PeerLost(f"{failure}: {e}") from e
+
+    def post_recv(self, tag: int, buf: torch.Tensor) -> UcxPostedRecv:
+        from ucxx.types import Tag, TagMaskFull
+
+        self._check_usable("endpoint failed")
         # The public `Endpoint.recv`/`send` hide the request objects, which cancelling and the
         # spinner need; `_ep` is UCXX's low-level endpoint.
         posted = UcxPostedRecv(self, self.endpoint._ep.tag_recv(_ucx_array(buf), Tag(tag), TagMaskFull))
@@ -270,11 +275,9 @@ class UcxPeer(Peer):
         from ucxx.exceptions import UCXError
         from ucxx.types import Tag
 
-        if self.lost:
-            raise PeerLost(self.lost_reason or "peer lost")
+        self._check_usable("send failed")
         self._abandoned = [(r, b) for r, b in self._abandoned if not r.completed]
         try:
-            self.endpoint._ep.raise_on_error()
             request = self.endpoint._ep.tag_send(_ucx_array(buf), Tag(tag))
             try:
                 await self.spinner.wait(request)
