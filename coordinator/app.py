@@ -30,7 +30,14 @@ from coordinator.router import Router
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.server import AdminServicer, InferenceServicer, ModelServicer
 from coordinator.workers import WorkerRegistry
-from splitserve.control import ControlSocket
+from splitserve.control import ControlSocket, CurveKeys
+from splitserve.control_auth import (
+    INSECURE_WARNING,
+    AuthorizedKeys,
+    ControlKeyError,
+    ZapHandler,
+    load_keys,
+)
 from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
 
 log = structlog.get_logger(__name__)
@@ -60,6 +67,9 @@ class CoordinatorConfig:
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 3000
     drain_timeout: float = 30.0
+    control_key: str = ""  # this coordinator's .key_secret file (CURVE server key)
+    control_authorized_keys: str = ""  # dir of worker public keys, each file named for its role
+    insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
 
 
 class Coordinator:
@@ -72,6 +82,7 @@ class Coordinator:
         self.grpc_address = self.control_address = self.metrics_address = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_lock = asyncio.Lock()
+        self.failed = False  # the control plane died: never SERVING again
 
     async def start(self) -> None:
         cfg = self.config
@@ -84,8 +95,15 @@ class Coordinator:
         self.admission = Admission(
             self.model, self.tokenizer, api_keys=cfg.api_keys, max_request_bytes=cfg.max_request_bytes
         )
+        keys, authorized = self._control_keys()
         self._zmq = zmq.asyncio.Context()
-        self.socket = ControlSocket.router(self._zmq, f"tcp://{cfg.control_host}:{cfg.control_port}")
+        self._auth = None if authorized is None else ZapHandler(self._zmq, authorized.__contains__).start()
+        self.socket = ControlSocket.router(
+            self._zmq,
+            f"tcp://{cfg.control_host}:{cfg.control_port}",
+            keys=keys,
+            on_drop=lambda reason: self.metrics.control_dropped.labels(reason).inc(),
+        )
         self.control_address = self.socket.address
         outbox = Outbox(self.socket)
         self.dispatcher = Dispatcher(
@@ -108,6 +126,7 @@ class Coordinator:
             heartbeat_interval_ms=cfg.heartbeat_interval_ms,
             heartbeat_timeout_ms=cfg.heartbeat_timeout_ms,
             on_membership=self._membership_changed,
+            authorized=authorized,
         )
         self.health = health.aio.HealthServicer()
         await self._sync_health()
@@ -136,7 +155,31 @@ class Coordinator:
         self.grpc_address = f"{cfg.host}:{port}"
         self._metrics_server, self.metrics_address = serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         self.plane_task = asyncio.create_task(self.plane.run(), name="control-plane")
+        self.plane_task.add_done_callback(self._plane_ended)
         log.info("coordinator started", model=self.model.name, **self.ready_info())
+
+    def _control_keys(self) -> tuple[CurveKeys | None, AuthorizedKeys | None]:
+        """(own keypair, authorized key -> role), or (None, None) under --insecure-control-plane."""
+        cfg = self.config
+        if cfg.insecure_control_plane:
+            log.warning(INSECURE_WARNING)
+            return None, None
+        if not cfg.control_key or not cfg.control_authorized_keys:
+            raise ControlKeyError(
+                "the control plane is authenticated by default: give --control-key (this coordinator's "
+                ".key_secret) and --control-authorized-keys (a dir of worker public keys), or "
+                "--insecure-control-plane"
+            )
+        return load_keys(cfg.control_key), AuthorizedKeys(cfg.control_authorized_keys)
+
+    def _plane_ended(self, task: asyncio.Task[None]) -> None:
+        """Supervision: a control plane that ends (not cancelled by `stop`) takes health down at once;
+        the owner (coordinator.main) sees `plane_task` done and exits non-zero."""
+        if task.cancelled():
+            return
+        log.error("control plane died; health NOT_SERVING", error=repr(task.exception()))
+        self.failed = True
+        self._membership_changed()
 
     def ready_info(self) -> dict[str, str]:
         return {
@@ -154,7 +197,7 @@ class Coordinator:
     async def _sync_health(self) -> None:
         """SERVING while a prefill + decode pair (or a colocated worker) of the model is READY."""
         async with self._health_lock:
-            serving = self.registry.can_serve() and not self.dispatcher.draining
+            serving = self.registry.can_serve() and not self.dispatcher.draining and not self.failed
             status = (
                 health_pb2.HealthCheckResponse.SERVING
                 if serving
@@ -184,6 +227,8 @@ class Coordinator:
         with contextlib.suppress(asyncio.CancelledError):
             await self.plane_task
         self.socket.close()
+        if self._auth is not None:
+            self._auth.stop()
         self._zmq.term()
         self._metrics_server.shutdown()
         self.tokenizer.close()

@@ -4,6 +4,12 @@ In: Register, Heartbeat, Deregister, PoolStateReply (membership and load, into t
 and TokenBatch (outputs, through the request table's gate); ReserveFailed, Preempted, Abort (to the
 dispatcher). Out: everything the dispatcher and this loop post, through the `Outbox`, in post order.
 
+Trust: `socket.recv` drops malformed frames (splitserve/control.py). With CURVE (`authorized` given) a
+Register is accepted only from a key allow-listed for the role it claims, and binds the worker id to
+that key: every later message under that id must come from the same key, else it is dropped (reason
+"unauthenticated") — the sender is the routing id plus the authenticated key, never a field inside a
+message. Under --insecure-control-plane (`authorized` None) every key is "".
+
 Liveness: a worker silent for longer than the staleness bound is marked STALE by the sweep and its
 requests are recovered; a new incarnation under a known worker id, a Deregister, or a send that fails
 (its queue is full or it is gone) does the same. Every membership change re-sends `Peers` to the
@@ -23,8 +29,9 @@ from coordinator.dispatch import Dispatcher
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import Outcome, RequestTable
 from coordinator.workers import STALE, WorkerInfo, WorkerRegistry
-from splitserve.control import ControlQueueFull, ControlSocket, envelope
-from splitserve.v1 import control_pb2
+from splitserve.control import ControlQueueFull, ControlSocket, Received, envelope
+from splitserve.control_auth import AuthorizedKeys
+from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -72,6 +79,7 @@ class ControlPlane:
         heartbeat_interval_ms: int,
         heartbeat_timeout_ms: int,
         on_membership: Callable[[], None] = lambda: None,
+        authorized: AuthorizedKeys | None = None,
     ) -> None:
         self.socket = socket
         self.outbox = outbox
@@ -83,6 +91,7 @@ class ControlPlane:
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
         self.on_membership = on_membership
+        self.authorized = authorized
         self._query_ids = itertools.count(1)
         self._queries: dict[int, tuple[set[str], dict[str, control_pb2.PoolStateReply], asyncio.Event]] = {}
         outbox.on_failure = self.peer_failed
@@ -97,9 +106,9 @@ class ControlPlane:
         while True:
             msg = await self.socket.recv()
             try:
-                self.handle(msg.sender, msg.envelope)
-            except Exception:  # one bad message must not stop the control plane
-                log.exception("control message failed", sender=msg.sender, kind=msg.kind)
+                self.handle(msg)
+            except Exception as exc:  # one bad message must not stop the control plane
+                self.socket.drop("handler_error", sender=msg.sender, kind=msg.kind, error=repr(exc)[:200])
 
     async def _sweep(self) -> None:
         # a timer, not a synchronization: staleness is defined by elapsed time
@@ -111,11 +120,17 @@ class ControlPlane:
                 self.dispatcher.worker_lost(info.worker_id, "stale")
                 self.on_membership()
 
-    def handle(self, sender: str, env: control_pb2.Envelope) -> None:
-        kind = env.WhichOneof("msg")
+    def handle(self, msg: Received) -> None:
+        """Apply one validated message from worker `msg.sender` (authenticated as `msg.user_id`)."""
+        sender, env, kind = msg.sender, msg.envelope, msg.kind
         if kind == "register":
-            self._register(sender, env.register)
-        elif kind == "heartbeat":
+            self._register(msg, env.register)
+            return
+        info = self.registry.get(sender)
+        if info is None or info.register.endpoint.control_public_key != msg.user_id:
+            self.socket.drop("unauthenticated", sender=sender, kind=kind)
+            return
+        if kind == "heartbeat":
             self._heartbeat(sender, env.heartbeat)
         elif kind == "prefill_done":
             self._prefill_done(sender, env.prefill_done)
@@ -133,15 +148,38 @@ class ControlPlane:
         elif kind == "pool_state_reply":
             self._pool_state_reply(sender, env.pool_state_reply)
         else:
-            log.warning("unexpected control message", sender=sender, kind=kind)
+            self.socket.drop("unexpected_kind", sender=sender, kind=kind)
 
     # -- membership ----------------------------------------------------------------------------------
-    def _register(self, sender: str, reg: control_pb2.Register) -> None:
-        reason = self.registry.refusal(sender, reg)
+    def _key_refusal(self, msg: Received, reg: control_pb2.Register) -> str | None:
+        """Why the authenticated key may not register `reg` under `msg.sender`, or None."""
+        if self.authorized is None:
+            return None
+        role = self.authorized.role(msg.user_id)
+        if role is None:  # the ZAP handler admitted it, so the allow-list changed since: refuse
+            return "the control key is not authorized"
+        if role != reg.role:
+            return (
+                f"role {serving_pb2.WorkerRole.Name(reg.role)} is not the role this control key is "
+                f"authorized for ({serving_pb2.WorkerRole.Name(role)})"
+            )
+        bound = self.registry.get(msg.sender)
+        if (
+            bound is not None
+            and bound.health != STALE
+            and bound.register.endpoint.control_public_key != msg.user_id
+        ):
+            return f"worker id {msg.sender!r} is registered under another control key"
+        return None
+
+    def _register(self, msg: Received, reg: control_pb2.Register) -> None:
+        sender = msg.sender
+        reason = self._key_refusal(msg, reg) or self.registry.refusal(sender, reg)
         if reason is not None:
             log.warning("registration refused", worker=sender, reason=reason)
             self.outbox.post(sender, envelope(register_ack=self._ack(accepted=False, reason=reason)))
             return
+        reg.endpoint.control_public_key = msg.user_id  # peers connect to the key that authenticated
         info, replaced = self.registry.add(reg, time.monotonic())
         self.metrics.set_worker_pool(info.worker_id, info.role_name, info.pool)
         ack = self._ack(accepted=True, peers=self.registry.peers_for(info))

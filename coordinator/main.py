@@ -11,6 +11,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from splitserve.control_flags import add_control_security_arguments
+
 if TYPE_CHECKING:
     from coordinator.app import CoordinatorConfig
 
@@ -41,6 +43,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"
     )
+    add_control_security_arguments(parser)
+    parser.add_argument(
+        "--control-authorized-keys",
+        default="",
+        help="dir of worker public keys (*.key) allowed on the control plane; each file name starts "
+        "with the role the key may register as (prefill, decode, colocated)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         drain_timeout=args.drain_timeout,
+        control_key=args.control_key,
+        control_authorized_keys=args.control_authorized_keys,
+        insecure_control_plane=bool(args.insecure_control_plane),
     )
     return asyncio.run(_serve(config))
 
@@ -77,10 +89,15 @@ async def _serve(config: CoordinatorConfig) -> int:
     import structlog
 
     from coordinator.app import Coordinator
+    from splitserve.control_auth import ControlKeyError
 
     log = structlog.get_logger("coordinator")
     app = Coordinator(config)
-    await app.start()
+    try:
+        await app.start()
+    except ControlKeyError as exc:
+        log.error("bad control-plane key configuration", error=str(exc))
+        return 2
     print("SPLITSERVE_READY " + json.dumps(app.ready_info()), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -59,6 +59,12 @@ class CoordinatorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.control_dropped = Counter(
+            "splitserve_coordinator_control_dropped",
+            "Control messages dropped unread: malformed, unauthenticated or unexpected, by reason.",
+            ["reason"],
+            registry=r,
+        )
         self.worker_kv_blocks = Gauge(
             "splitserve_worker_kv_blocks",
             "KV blocks per worker from its last report, by state (free, cached, held).",

@@ -37,7 +37,10 @@ def _apply_env_defaults(parser: argparse.ArgumentParser) -> None:
         env = "SPLITSERVE_" + long[0][2:].replace("-", "_").upper()
         if env in os.environ:
             raw = os.environ[env]
-            action.default = action.type(raw) if callable(action.type) else raw
+            if isinstance(action, argparse._StoreTrueAction):
+                action.default = raw.strip().lower() in ("1", "true", "yes", "on")
+            else:
+                action.default = action.type(raw) if callable(action.type) else raw
             action.required = False
 
 

@@ -3,6 +3,10 @@
 Used by `splitserve serve`, `make run` and the end-to-end tests. Every process binds OS-chosen ports
 and announces itself with one `SPLITSERVE_READY {json}` line on stdout; the launcher waits for that
 line (bounded), never sleeps. Processes are real `splitserve <role>` subprocesses.
+
+Control-plane keys: unless `insecure_control_plane`, `start` writes an ephemeral CurveZMQ keypair per
+process into a private temp dir (0700, see splitserve.control_auth.KeySet), gives each process its
+own, and deletes the dir in `stop`.
 """
 
 from __future__ import annotations
@@ -10,15 +14,19 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
 import structlog
+
+from splitserve.control_auth import KeySet
 
 log = structlog.get_logger(__name__)
 
@@ -74,6 +82,15 @@ class ClusterSpec:
     decode_args: list[str] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
+    insecure_control_plane: bool = False  # plaintext control plane (else ephemeral CURVE keys)
+
+    def worker_ids(self) -> list[tuple[str, str]]:
+        """(role, worker id) of every worker, in start order; each id starts with its role."""
+        if self.mode == "colocated":
+            return [("colocated", f"colocated-{i}") for i in range(self.decode_workers)]
+        return [("prefill", f"prefill-{i}") for i in range(self.prefill_workers)] + [
+            ("decode", f"decode-{i}") for i in range(self.decode_workers)
+        ]
 
 
 class LocalCluster:
@@ -83,6 +100,7 @@ class LocalCluster:
         self.spec = spec
         self.ready_timeout = ready_timeout
         self.processes: list[RoleProcess] = []
+        self.keys: KeySet | None = None
         self._logs: list[IO[str]] = []
 
     @property
@@ -103,9 +121,20 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def _security_args(self) -> tuple[list[str], dict[str, list[str]]]:
+        """(coordinator args, worker id -> args) for the control plane's keys (or its insecure flag)."""
+        s = self.spec
+        if s.insecure_control_plane:
+            flag = ["--insecure-control-plane"]
+            return flag, {wid: flag for _, wid in s.worker_ids()}
+        ids = [wid for _, wid in s.worker_ids()]
+        self.keys = KeySet.create(Path(tempfile.mkdtemp(prefix="splitserve-keys-")), ids)
+        return self.keys.coordinator_args(), {wid: self.keys.worker_args(wid) for wid in ids}
+
     def start(self) -> None:
         s = self.spec
         try:
+            coordinator_security, worker_security = self._security_args()
             coord = self._spawn(
                 "coordinator",
                 "coordinator",
@@ -122,6 +151,7 @@ class LocalCluster:
                     "0",
                     "--metrics-port",
                     "0",
+                    *coordinator_security,
                     *s.coordinator_args,
                 ],
             )
@@ -142,42 +172,13 @@ class LocalCluster:
                 "--transfer-backend",
                 s.transfer_backend,
             ]
+            extra = {"prefill": s.prefill_args, "decode": s.decode_args, "colocated": s.decode_args}
             pending = []
-            if s.mode == "colocated":
-                for i in range(s.decode_workers):
-                    pending.append(
-                        self._launch(
-                            "colocated",
-                            f"colocated-{i}",
-                            [
-                                "decode",
-                                *common,
-                                "--mode",
-                                "colocated",
-                                "--worker-id",
-                                f"colocated-{i}",
-                                *s.decode_args,
-                            ],
-                        )
-                    )
-            else:
-                for i in range(s.prefill_workers):
-                    pending.append(
-                        self._launch(
-                            "prefill",
-                            f"prefill-{i}",
-                            ["prefill", *common, "--worker-id", f"prefill-{i}", *s.prefill_args],
-                        )
-                    )
-                for i in range(s.decode_workers):
-                    pending.append(
-                        self._launch(
-                            "decode",
-                            f"decode-{i}",
-                            ["decode", *common, "--worker-id", f"decode-{i}", *s.decode_args],
-                        )
-                    )
-            for proc, lines in pending:  # workers load their models in parallel
+            for role, wid in s.worker_ids():  # workers load their models in parallel
+                command = ["decode", "--mode", "colocated"] if role == "colocated" else [role]
+                args = [*command, *common, "--worker-id", wid, *worker_security[wid], *extra[role]]
+                pending.append(self._launch(role, wid, args))
+            for proc, lines in pending:
                 proc.wait_ready(lines, self.ready_timeout)
         except BaseException:
             self.stop()
@@ -238,4 +239,6 @@ class LocalCluster:
         for f in self._logs:
             f.close()
         self._logs.clear()
+        if self.keys is not None:
+            shutil.rmtree(self.keys.root, ignore_errors=True)
         return codes

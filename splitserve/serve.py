@@ -21,6 +21,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--log-dir", type=Path, default=None, help="one log file per process (default: stderr)"
     )
+    parser.add_argument(
+        "--insecure-control-plane",
+        action="store_true",
+        help="plaintext, unauthenticated control plane (default: ephemeral CurveZMQ keys per process)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +46,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         port=getattr(args, "port", 0),
         transfer_backend=args.transfer_backend,
         log_dir=args.log_dir,
+        insecure_control_plane=bool(args.insecure_control_plane),
     )
 
 

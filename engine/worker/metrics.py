@@ -74,6 +74,12 @@ class WorkerMetrics:
             ["kind"],
             registry=r,
         )
+        self.control_dropped = Counter(
+            "splitserve_worker_control_dropped",
+            "Control messages dropped unread (malformed, unauthenticated, unexpected), by socket and reason",
+            ["socket", "reason"],
+            registry=r,
+        )
         self.info = Gauge("splitserve_worker_info", "Constant 1, labelled", ["role", "worker_id"], registry=r)
         self.info.labels(role, worker_id).set(1)
 

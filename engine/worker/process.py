@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -26,11 +27,16 @@ from engine.worker.runtime import ControlPlane, RegistrationError
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
+from splitserve.control_auth import ControlKeyError
 from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
 READY_PREFIX = "SPLITSERVE_READY "
+
+
+class WorkerFailed(RuntimeError):
+    """A part the worker cannot serve without died; the process exits non-zero."""
 
 
 class Worker:
@@ -100,18 +106,35 @@ class Worker:
         self.transfer.preconnect(p.endpoint.transfer_address for p in peers if p.role == prefill)
 
     def _ready(self) -> bool:
-        return self.control is not None and self.control.registered and not self.control.draining
+        return self.control is not None and self.control.ready
 
     async def serve(self) -> None:
-        """Run until a stop is requested (or the step loop dies), then drain and close."""
+        """Run until a stop is requested, then drain and close. Raises `WorkerFailed` (after failing
+        its requests and deregistering) when the step loop or a supervised control task dies."""
         assert self.control is not None and self._step_task is not None
         stop = asyncio.create_task(self.control.stop_requested.wait())
+        failed = asyncio.create_task(self.control.failed.wait())
         # idle wait for the end of the worker's life
-        await asyncio.wait({stop, self._step_task}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({stop, failed, self._step_task}, return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
+        failed.cancel()
         if self._step_task.done() and self._step_task.exception() is not None:
-            raise RuntimeError("the engine step loop died") from self._step_task.exception()
+            self.control.failure = (
+                self.control.failure or f"engine-steps ended: {self._step_task.exception()!r}"
+            )
+        if self.control.failure:
+            await self._fail(self.control.failure)
         await self.drain()
+
+    async def _fail(self, why: str) -> None:
+        c, role = self.control, self.role
+        assert c is not None and role is not None
+        role.accepting = False
+        with contextlib.suppress(Exception):  # best effort: the part that died may be needed here
+            await role.abort_all(control_pb2.ABORT_REASON_WORKER_ERROR, why)
+            await c.deregister(f"failed: {why}")
+        await self.close()
+        raise WorkerFailed(why)
 
     async def drain(self) -> None:
         c, role = self.control, self.role
@@ -166,7 +189,7 @@ async def _main(settings: WorkerSettings) -> int:
     worker = Worker(settings, loaded)
     try:
         info = await worker.start()
-    except RegistrationError as exc:
+    except (RegistrationError, ControlKeyError) as exc:
         log.error("registration failed", error=str(exc))
         await worker.close()
         return 1
@@ -176,6 +199,10 @@ async def _main(settings: WorkerSettings) -> int:
         loop.add_signal_handler(sig, worker.control.request_stop)
     sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
     sys.stdout.flush()
-    await worker.serve()
+    try:
+        await worker.serve()
+    except WorkerFailed as exc:
+        log.error("worker failed; exiting", error=str(exc))
+        return 1
     log.info("stopped")
     return 0

@@ -4,6 +4,15 @@ Sockets (splitserve/control.py): a DEALER to the coordinator's ROUTER (identity 
 worker's own ROUTER (`control_address`, advertised in Register) where peers' DEALERs deliver P<->D
 messages. Two reader tasks, one per socket, hand every work message to the role in arrival order;
 neither ever waits on a model step or a transfer, so an Abort is handled while both are running.
+
+Trust: the DEALER verifies the coordinator's CurveZMQ server key; the ROUTER admits only the keys of
+peers the coordinator introduced (engine/worker/peers.py), and a peer message is dropped unless its
+routing id and authenticated key belong to the same peer. Malformed frames never reach a handler
+(splitserve/control.py); handler failures are dropped and counted, never fatal.
+
+Supervision: the reader and heartbeat tasks never end by themselves. One that does (a socket failed,
+a bug) sets `failure`: the worker stops claiming READY (/readyz, heartbeats), deregisters, and
+`engine.worker.process.Worker.serve` raises, so the process exits non-zero.
 """
 
 from __future__ import annotations
@@ -22,7 +31,8 @@ from engine.worker.metrics import WorkerMetrics
 from engine.worker.peers import PeerLinks
 from engine.worker.settings import WorkerSettings
 from splitserve import wire
-from splitserve.control import ControlQueueFull, ControlSocket, Received, envelope
+from splitserve.control import ControlQueueFull, ControlSocket, CurveKeys, Received, envelope
+from splitserve.control_auth import INSECURE_WARNING, ZapHandler, load_keys, load_public_key
 from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
@@ -92,14 +102,30 @@ class ControlPlane:
         self.context_length = context_length
         self.transfer_address = transfer_address
         self.incarnation = secrets.randbits(64)
+        self.keys, coordinator_key = _control_keys(settings)
         self.ctx = zmq.asyncio.Context()
+        self.links = PeerLinks(self.ctx, settings.worker_id, kv_layout.hash, self.keys)
+        self._auth = (
+            ZapHandler(self.ctx, self.links.allows, self.links.wait_allowed).start()
+            if self.keys is not None
+            else None
+        )
         self.router = ControlSocket.router(
-            self.ctx, f"tcp://{settings.advertise_host}:{settings.control_port}"
+            self.ctx,
+            f"tcp://{settings.advertise_host}:{settings.control_port}",
+            keys=self.keys,
+            on_drop=lambda reason: metrics.control_dropped.labels("peers", reason).inc(),
         )
         port = self.router.address.rsplit(":", 1)[1]
         self.control_address = f"tcp://{settings.advertise_host}:{port}"
-        self.coordinator = ControlSocket.dealer(self.ctx, settings.coordinator_address, settings.worker_id)
-        self.links = PeerLinks(self.ctx, settings.worker_id, kv_layout.hash)
+        self.coordinator = ControlSocket.dealer(
+            self.ctx,
+            settings.coordinator_address,
+            settings.worker_id,
+            keys=self.keys,
+            server_key=coordinator_key,
+            on_drop=lambda reason: metrics.control_dropped.labels("coordinator", reason).inc(),
+        )
         self.role: RoleHandler | None = None
         self.on_peers: Callable[[list[control_pb2.Peer]], None] = lambda peers: None
         self.registered = False
@@ -111,6 +137,9 @@ class ControlPlane:
         self._prefix = PrefixEvents(pool) if settings.role != "decode" else None
         self._heartbeat_seq = 0
         self._tasks: list[asyncio.Task[None]] = []
+        self.failure = ""  # why a supervised task ended; the worker cannot serve once set
+        self.failed = asyncio.Event()
+        self._closing = False
 
     @property
     def endpoint(self) -> control_pb2.WorkerEndpoint:
@@ -118,6 +147,7 @@ class ControlPlane:
             worker_id=self.settings.worker_id,
             control_address=self.control_address,
             transfer_address=self.transfer_address,
+            control_public_key=self.keys.public.decode("ascii") if self.keys is not None else "",
         )
 
     async def register(self) -> control_pb2.RegisterAck:
@@ -144,7 +174,8 @@ class ControlPlane:
             got = await asyncio.wait_for(self._register_ack(), s.register_timeout_s)
         except TimeoutError:
             raise RegistrationError(
-                f"no RegisterAck from {s.coordinator} within {s.register_timeout_s}s"
+                f"no RegisterAck from {s.coordinator} within {s.register_timeout_s}s (is it up, and do "
+                "--coordinator-public-key / --insecure-control-plane match the coordinator's?)"
             ) from None
         ack = got.envelope.register_ack
         if not ack.accepted:
@@ -174,6 +205,18 @@ class ControlPlane:
             asyncio.create_task(self._read(self.router, from_coordinator=False), name="control-peers"),
             asyncio.create_task(self._heartbeats(), name="heartbeat"),
         ]
+        for task in self._tasks:
+            task.add_done_callback(self._task_ended)
+
+    def _task_ended(self, task: asyncio.Task[None]) -> None:
+        """Supervision: a reader or the heartbeat ended on its own; this worker cannot serve any more."""
+        if self._closing or self.failure:
+            return
+        error = "cancelled" if task.cancelled() else repr(task.exception())
+        why = f"{task.get_name()} ended: {error}"
+        self.failure = why
+        log.error("control task died; the worker stops serving", task=task.get_name(), error=why)
+        self.failed.set()
 
     async def to_coordinator(self, env: control_pb2.Envelope) -> None:
         try:
@@ -189,12 +232,15 @@ class ControlPlane:
         assert self.role is not None
         while True:
             msg = await sock.recv()  # idle wait for the next message
+            if not from_coordinator and not self.links.authentic(msg.sender, msg.user_id):
+                sock.drop("unauthenticated", sender=msg.sender, kind=msg.kind)
+                continue
             try:
                 if from_coordinator and await self._handle_own(msg):
                     continue
                 await self.role.handle(msg)
-            except Exception:
-                log.exception("control message failed", kind=msg.kind, sender=msg.sender)
+            except Exception as exc:  # one bad message must not stop this reader
+                sock.drop("handler_error", sender=msg.sender, kind=msg.kind, error=repr(exc)[:200])
 
     async def _handle_own(self, msg: Received) -> bool:
         """The messages the control plane answers itself; False hands the message to the role."""
@@ -221,8 +267,18 @@ class ControlPlane:
         elif msg.kind == "register_ack":
             log.warning("unexpected RegisterAck after registration ignored")
         else:
+            self._learn_peer(msg)  # the peer a work message names (Peers may lag it)
             return False
         return True
+
+    def _learn_peer(self, msg: Received) -> None:
+        env = msg.envelope
+        if msg.kind == "prefill":
+            self.links.learn(env.prefill.decode)
+        elif msg.kind == "decode":
+            self.links.learn(env.decode.prefill)
+        elif msg.kind == "reassign":
+            self.links.learn(env.reassign.decode)
 
     def request_stop(self, *, drain: bool = True, grace_s: float | None = None) -> None:
         """Ask the worker to stop (signal or Shutdown); the worker's main task drains and closes."""
@@ -246,13 +302,18 @@ class ControlPlane:
             worker_id=self.settings.worker_id,
             incarnation=self.incarnation,
             seq=self._heartbeat_seq,
-            health=serving_pb2.WORKER_HEALTH_DRAINING if self.draining else serving_pb2.WORKER_HEALTH_READY,
+            health=serving_pb2.WORKER_HEALTH_READY if self.ready else serving_pb2.WORKER_HEALTH_DRAINING,
             load=self.role.load(),
             pool=pool_state(self.pool),
         )
         if self._prefix is not None:
             hb.prefix_cache.CopyFrom(self._prefix.next())
         await self.to_coordinator(envelope(heartbeat=hb))
+
+    @property
+    def ready(self) -> bool:
+        """Registered, not draining, every supervised task alive: what /readyz and heartbeats claim."""
+        return self.registered and not self.draining and not self.failure
 
     async def deregister(self, reason: str) -> None:
         await self.to_coordinator(
@@ -264,6 +325,7 @@ class ControlPlane:
         )
 
     async def close(self) -> None:
+        self._closing = True
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -271,4 +333,14 @@ class ControlPlane:
         # protects an invariant: the last messages (Aborts, Deregister) reach the coordinator; bounded
         self.coordinator.sock.close(linger=_FLUSH_LINGER_MS)
         self.router.close()
+        if self._auth is not None:
+            self._auth.stop()
         self.ctx.term()
+
+
+def _control_keys(settings: WorkerSettings) -> tuple[CurveKeys | None, bytes | None]:
+    """(own keypair, the coordinator's public key), or (None, None) under --insecure-control-plane."""
+    if settings.insecure_control_plane:
+        log.warning(INSECURE_WARNING)
+        return None, None
+    return load_keys(settings.control_key), load_public_key(settings.coordinator_public_key)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
+from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -38,10 +39,23 @@ class WorkerSettings:
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
     ucx_progress_mode: str = "hybrid"  # kvtransfer.ucx.PROGRESS_MODES; docs/kvtransfer.md measures them
+    control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
+    coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
+    insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {self.role!r}")
+        if WORKER_ID_PATTERN.fullmatch(self.worker_id) is None:
+            raise ValueError(
+                f"--worker-id {self.worker_id[:64]!r}: use 1-128 characters of A-Z a-z 0-9 . _ : - "
+                "(starting with a letter or digit)"
+            )
+        if not self.insecure_control_plane and not (self.control_key and self.coordinator_public_key):
+            raise ValueError(
+                "the control plane is authenticated by default: give --control-key (this worker's "
+                ".key_secret) and --coordinator-public-key, or --insecure-control-plane"
+            )
         if self.transfer_backend not in ("ucx", "tcp"):
             raise ValueError(f"--transfer-backend must be ucx or tcp, got {self.transfer_backend!r}")
         if self.lease_ms < 1:
@@ -94,6 +108,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         default="hybrid",
         help="hybrid: poll only while transfers are outstanding; thread: never spin (saves a core, slower)",
     )
+    add_control_security_arguments(parser)
+    a("--coordinator-public-key", default="", help="the coordinator's CurveZMQ public key file (NAME.key)")
     if with_mode:
         a("--mode", choices=("decode", "colocated"), default="decode", help="colocated: prefill here too")
 
@@ -129,4 +145,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_message_bytes=args.kv_message_bytes,
         kv_direct_bytes=args.kv_direct_bytes,
         ucx_progress_mode=args.ucx_progress_mode,
+        control_key=args.control_key,
+        coordinator_public_key=args.coordinator_public_key,
+        insecure_control_plane=bool(args.insecure_control_plane),
     )

@@ -304,22 +304,29 @@ class WorkerEndpoint(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     CONTROL_ADDRESS_FIELD_NUMBER: _builtins.int
     TRANSFER_ADDRESS_FIELD_NUMBER: _builtins.int
+    CONTROL_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique worker id."""
     control_address: _builtins.str
     """ZeroMQ address of the worker's control socket (ROUTER), e.g. "tcp://10.0.0.5:7101"."""
     transfer_address: _builtins.str
     """Bulk transfer listener address, e.g. "10.0.0.5:7201"."""
+    control_public_key: _builtins.str
+    """The worker's CurveZMQ public key (z85, 40 characters): peers connect to control_address as CURVE
+    clients of this key. The coordinator sets it to the key that authenticated the worker's Register
+    (whatever the worker wrote); empty only under --insecure-control-plane.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         control_address: _builtins.str = ...,
         transfer_address: _builtins.str = ...,
+        control_public_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_address", b"control_address", "transfer_address", b"transfer_address", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_address", b"control_address", "control_public_key", b"control_public_key", "transfer_address", b"transfer_address", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -17,6 +17,7 @@ from coordinator.router import Router
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.workers import WorkerInfo, WorkerRegistry
 from engine.sampling_params import SamplingParams
+from splitserve.control_auth import KeySet, load_public_key
 from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
 from splitserve.wire import pack_hashes
 from tests.coordinator.peer import ROLES, ScriptedWorker
@@ -106,11 +107,13 @@ def make_admitted(
 
 
 class Cluster:
-    """A started coordinator, a gRPC channel to it, and a factory of scripted workers."""
+    """A started coordinator, a gRPC channel to it, and a factory of scripted workers (each with its
+    own control key, allow-listed for its role in `keys`)."""
 
-    def __init__(self, app: Coordinator, model: ServedModel) -> None:
+    def __init__(self, app: Coordinator, model: ServedModel, keys: KeySet) -> None:
         self.app = app
         self.model = model
+        self.keys = keys
         self.channel = grpc.aio.insecure_channel(app.grpc_address)
         self.zmq = zmq.asyncio.Context()
         self.workers: list[ScriptedWorker] = []
@@ -118,6 +121,10 @@ class Cluster:
         self.admin = serving_pb2_grpc.AdminServiceStub(self.channel)
 
     def worker(self, worker_id: str, role: str, **kwargs: Any) -> ScriptedWorker:
+        if worker_id not in self.keys.workers:
+            self.keys.add_worker(worker_id, role)
+        kwargs.setdefault("keys", self.keys.worker_keys(worker_id))
+        kwargs.setdefault("server_key", load_public_key(self.keys.coordinator_public))
         w = ScriptedWorker(self.zmq, self.app.control_address, worker_id, role, self.model, **kwargs)
         self.workers.append(w)
         return w
@@ -136,16 +143,24 @@ class Cluster:
 
 
 @pytest.fixture
-async def start_cluster(served_model: ServedModel) -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
+async def start_cluster(
+    served_model: ServedModel, tmp_path: Path
+) -> AsyncIterator[Callable[..., Awaitable[Cluster]]]:
     """`await start_cluster(**config_overrides)` -> a Cluster; everything is closed after the test."""
     clusters: list[Cluster] = []
 
     async def start(**overrides: Any) -> Cluster:
-        settings: dict[str, Any] = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 5000} | overrides
+        keys = KeySet.create(tmp_path / f"keys-{len(clusters)}")
+        settings: dict[str, Any] = {
+            "heartbeat_interval_ms": 100,
+            "heartbeat_timeout_ms": 5000,
+            "control_key": str(keys.coordinator_secret),
+            "control_authorized_keys": str(keys.authorized_dir),
+        } | overrides
         config = CoordinatorConfig(model="tiny", port=0, control_port=0, metrics_port=0, **settings)
         app = Coordinator(config, model=served_model)
         await app.start()
-        clusters.append(Cluster(app, served_model))
+        clusters.append(Cluster(app, served_model, keys))
         return clusters[-1]
 
     yield start

@@ -10,7 +10,7 @@ from typing import Any
 import zmq.asyncio
 
 from coordinator.served_model import ServedModel
-from splitserve.control import ControlSocket, envelope
+from splitserve.control import ControlSocket, CurveKeys, envelope
 from splitserve.v1 import control_pb2, serving_pb2
 from splitserve.wire import pack_hashes, pack_ids
 
@@ -37,6 +37,8 @@ class ScriptedWorker:
         block_size: int = 16,
         layout_hash: str = "layout-a",
         identity: str | None = None,
+        keys: CurveKeys | None = None,
+        server_key: bytes | None = None,
     ) -> None:
         self.worker_id = worker_id
         self.role = ROLES[role]
@@ -45,7 +47,9 @@ class ScriptedWorker:
         self.block_size = block_size
         self.layout_hash = layout_hash
         self.identity = identity or model.identity
-        self.sock = ControlSocket.dealer(ctx, coordinator, identity=worker_id)
+        self.sock = ControlSocket.dealer(
+            ctx, coordinator, identity=worker_id, keys=keys, server_key=server_key
+        )
         self.inbox: list[control_pb2.Envelope] = []
         self.heartbeat_seq = 0
 

@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from splitserve.control_auth import KeySet
 from splitserve.v1 import serving_pb2, serving_pb2_grpc
 
 # what `splitserve coordinator ARGS` runs, without depending on the CLI's command table
@@ -45,9 +46,12 @@ def read_ready_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, 
 
 
 @pytest.mark.slow
-def test_process_prints_ready_and_drains_on_sigterm(tiny_model_dir: Callable[[str], Path]) -> None:
+def test_process_prints_ready_and_drains_on_sigterm(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
     args = ["--model", str(tiny_model_dir("llama-2l")), "--served-model-name", "tiny", "--port", "0"]
     args += ["--control-port", "0", "--metrics-port", "0", "--api-key-env", "TEST_COORDINATOR_KEY"]
+    args += KeySet.create(tmp_path / "keys").coordinator_args()
     env = {**os.environ, "TEST_COORDINATOR_KEY": "k1,k2"}
     proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCH, *args],
@@ -82,3 +86,17 @@ def test_process_prints_ready_and_drains_on_sigterm(tiny_model_dir: Callable[[st
             proc.wait()
     stderr = proc.stderr.read() if proc.stderr else ""
     assert '"event": "draining"' in stderr  # JSON logs: stderr is not a terminal
+
+
+def test_process_without_control_keys_exits_2_naming_the_flags(tiny_model_dir: Callable[[str], Path]) -> None:
+    args = ["--model", str(tiny_model_dir("llama-2l")), "--port", "0", "--control-port", "0"]
+    args += ["--metrics-port", "0"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    done = subprocess.run(
+        [sys.executable, "-c", LAUNCH, *args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 2
+    assert (
+        "--control-key" in done.stdout + done.stderr
+        and "--insecure-control-plane" in done.stdout + done.stderr
+    )

@@ -22,6 +22,7 @@ from engine.worker.process import Worker
 from engine.worker.settings import WorkerSettings
 from splitserve import wire
 from splitserve.control import ControlSocket, envelope
+from splitserve.control_auth import AuthorizedKeys, KeySet, ZapHandler, load_keys
 from splitserve.v1 import control_pb2
 
 WAIT_S = 20.0  # bound of every wait for a message in these tests
@@ -38,12 +39,17 @@ def loaded(model_dir: Path) -> LoadedModel:
 
 
 class ScriptedCoordinator:
-    """The coordinator's side of the protocol, scripted by a test. Accepts every Register, sends each
-    worker the current peers (and everyone a Peers update), and files every other message by kind."""
+    """The coordinator's side of the protocol, scripted by a test. Accepts every Register from a key
+    in `keys`, sends each worker the current peers (and everyone a Peers update), and files every other
+    message by kind."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys: KeySet) -> None:
+        self.keys = keys
         self.ctx = zmq.asyncio.Context()
-        self.router = ControlSocket.router(self.ctx, "tcp://127.0.0.1:0")
+        self.auth = ZapHandler(self.ctx, AuthorizedKeys(keys.authorized_dir).__contains__).start()
+        self.router = ControlSocket.router(
+            self.ctx, "tcp://127.0.0.1:0", keys=load_keys(keys.coordinator_secret)
+        )
         self.address = self.router.address.removeprefix("tcp://")
         self.workers: dict[str, control_pb2.Register] = {}
         self.inbox: dict[str, asyncio.Queue[tuple[str, control_pb2.Envelope]]] = defaultdict(asyncio.Queue)
@@ -141,6 +147,7 @@ class ScriptedCoordinator:
         self._task.cancel()
         await asyncio.gather(self._task, return_exceptions=True)
         self.router.close()
+        self.auth.stop()
         self.ctx.term()
 
 
@@ -206,6 +213,8 @@ class Cluster:
             lease_ms=lease_ms,
             drain_timeout_s=5.0,
             register_timeout_s=WAIT_S,
+            control_key=str(self.coordinator.keys.add_worker(worker_id, role)),
+            coordinator_public_key=str(self.coordinator.keys.coordinator_public),
         )
         if kv_blocks_per_message:
             cfg = self.loaded.config  # float32 blocks: layers x K/V x block_size x kv heads x head_dim
@@ -224,8 +233,8 @@ class Cluster:
 
 
 @pytest.fixture
-async def cluster(loaded: LoadedModel) -> AsyncIterator[Cluster]:
-    coordinator = ScriptedCoordinator()
+async def cluster(loaded: LoadedModel, tmp_path: Path) -> AsyncIterator[Cluster]:
+    coordinator = ScriptedCoordinator(KeySet.create(tmp_path / "keys"))
     c = Cluster(coordinator, loaded)
     try:
         yield c

@@ -10,6 +10,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from splitserve.control_auth import KeySet
 from tests.workers.conftest import WAIT_S, ScriptedCoordinator, execution_request
 
 READY = "SPLITSERVE_READY "
@@ -24,9 +25,11 @@ def http_get(url: str) -> tuple[int, str]:
 
 
 async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_path: Path) -> None:
-    coord = ScriptedCoordinator()
+    coord = ScriptedCoordinator(KeySet.create(tmp_path / "keys"))
+    coord.keys.add_worker("colo-p", "colocated")
     argv = [
         *("decode", "--mode", "colocated", "--model", str(model_dir), "--coordinator", coord.address),
+        *coord.keys.worker_args("colo-p"),
         *("--worker-id", "colo-p", "--advertise-host", "127.0.0.1", "--metrics-port", "0"),
         *("--block-size", "4", "--num-gpu-blocks", "32", "--transfer-backend", "tcp"),
     ]
