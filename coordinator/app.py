@@ -224,8 +224,7 @@ class Coordinator:
     async def stop(self) -> None:
         await self.server.stop(grace=1.0)
         self.plane_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.plane_task
+        await asyncio.gather(self.plane_task, return_exceptions=True)
         self.socket.close()
         if self._auth is not None:
             self._auth.stop()

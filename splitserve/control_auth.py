@@ -36,7 +36,7 @@ ROLE_OF_NAME = {
     "colocated": serving_pb2.WORKER_ROLE_COLOCATED,
 }
 _RELOAD_MAX_S = 30.0
-_ZAP_WAIT_S = 5.0
+_ZAP_WAIT_S = 2.0
 _ZAP_MAX_PENDING = 64
 INSECURE_WARNING = (
     "--insecure-control-plane: the ZeroMQ control plane is plaintext and unauthenticated; anyone who "

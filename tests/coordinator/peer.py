@@ -47,6 +47,7 @@ class ScriptedWorker:
         self.block_size = block_size
         self.layout_hash = layout_hash
         self.identity = identity or model.identity
+        self.public_key = keys.public.decode() if keys is not None else ""
         self.sock = ControlSocket.dealer(
             ctx, coordinator, identity=worker_id, keys=keys, server_key=server_key
         )
@@ -64,7 +65,7 @@ class ScriptedWorker:
     async def send(self, **msg: Any) -> None:
         await self.sock.send(envelope(**msg))
 
-    async def register(self) -> control_pb2.RegisterAck:
+    async def register(self, timeout: float = 5.0) -> control_pb2.RegisterAck:
         layout = control_pb2.KvLayout(
             dtype="float32", num_layers=2, block_size=self.block_size, num_kv_heads=2, head_dim=16,
             order="block_major", hash=self.layout_hash,
@@ -83,7 +84,7 @@ class ScriptedWorker:
                 transfer_backend="tcp",
             )
         )
-        return (await self.expect("register_ack")).register_ack
+        return (await self.expect("register_ack", timeout)).register_ack
 
     async def heartbeat(
         self,
