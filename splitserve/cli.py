@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("splitserve.bench", "serving benchmark: Poisson arrivals, TTFT/TPOT/ITL, SLO attainment"),
     "offline": ("engine.offline_cli", "generate with the in-process engine (no servers)"),
     "make-tiny-model": ("engine.tiny", "write a deterministic tiny Hugging Face checkpoint"),
+    "keygen": ("splitserve.keygen", "write CurveZMQ keypairs for the control plane"),
 }
 
 

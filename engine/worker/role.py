@@ -26,7 +26,7 @@ from engine.worker.record import RequestRecord
 from engine.worker.runtime import ControlPlane
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
-from splitserve.control import ControlQueueFull, Received, envelope
+from splitserve.control import ControlQueueFull, DropLog, Received, envelope
 from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
@@ -63,6 +63,7 @@ class WorkerRole:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._background: set[asyncio.Task[Any]] = set()
+        self._unexpected = DropLog(f"{parts.settings.role} role")  # rate-limited: peers may flood
         parts.stepper.handler = self  # type: ignore[assignment]  # subclasses implement StepHandler
 
     # --- dispatch and the request table -------------------------------------------------------------
@@ -73,8 +74,10 @@ class WorkerRole:
         allowed = _FROM_PEERS if msg.sender else _FROM_COORDINATOR
         handler = getattr(self, f"handle_{msg.kind}", None) if msg.kind in allowed else None
         if handler is None:
-            log.warning("message not handled by this role", kind=msg.kind, sender=msg.sender)
-            self.metrics.stale_messages.labels(msg.kind or "empty").inc()
+            self._unexpected("unexpected_kind", kind=msg.kind, sender=msg.sender)
+            self.metrics.control_dropped.labels(
+                "peers" if msg.sender else "coordinator", "unexpected_kind"
+            ).inc()
             return
         await handler(msg)
 

@@ -65,6 +65,7 @@ def targets(cluster: LocalCluster) -> list[tuple[str, str, str, bytes]]:
     return out
 
 
+@pytest.mark.fuzz
 async def test_malformed_and_fuzzed_frames_at_every_router_leave_the_cluster_serving(
     cluster: LocalCluster, hf_greedy: Callable[[list[int], int], list[int]]
 ) -> None:
