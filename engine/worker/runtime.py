@@ -83,6 +83,7 @@ class ControlPlane:
         context_length: int,
         transfer_address: str,
         metrics: WorkerMetrics,
+        transfer_key: bytes = b"",
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -90,7 +91,7 @@ class ControlPlane:
         self.kv_layout = kv_layout
         self.model_identity = model_identity
         self.context_length = context_length
-        self.transfer_address = transfer_address
+        self.transfer_address, self.transfer_key = transfer_address, transfer_key
         self.incarnation = secrets.randbits(64)
         self.ctx = zmq.asyncio.Context()
         self.router = ControlSocket.router(
@@ -118,6 +119,7 @@ class ControlPlane:
             worker_id=self.settings.worker_id,
             control_address=self.control_address,
             transfer_address=self.transfer_address,
+            transfer_key=self.transfer_key,
         )
 
     async def register(self) -> control_pb2.RegisterAck:

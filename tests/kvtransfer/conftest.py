@@ -71,7 +71,7 @@ def own_agents(backend: str) -> Iterator[tuple[SpawnedAgent, SpawnedAgent]]:
 
 async def connect_pair(receiver: SpawnedAgent, sender: SpawnedAgent) -> Pair:
     recv, send = AgentClient(receiver.control), AgentClient(sender.control)
-    await send.call("connect", address=receiver.address)
+    await send.call("connect", address=receiver.address, key=receiver.key)
     return Pair(receiver, sender, recv, send)
 
 
@@ -91,7 +91,14 @@ async def assert_session_bit_exact(pair: Pair, rid: str, config: Mapping[str, fl
     ids = reserved["block_ids"]
     assert any(b != a + 1 for a, b in itertools.pairwise(ids)), "reservation should be fragmented"
     sent = await pair.send.call(
-        "send", rid=rid, gen=0, peer=pair.receiver.address, dst_ids=ids, seed=7, config=config
+        "send",
+        rid=rid,
+        gen=0,
+        peer=pair.receiver.address,
+        dst_ids=ids,
+        secret=reserved["secret"],
+        seed=7,
+        config=config,
     )
     assert sent["sent"], sent
     await pair.recv.call("mark_done", rid=rid, gen=0, first_token=42, checksums=sent["checksums"])

@@ -87,6 +87,7 @@ async def test_sender_killed_mid_message_frees_receiver_pool(backend: str) -> No
                 gen=0,
                 peer=receiver.address,
                 dst_ids=reserved["block_ids"],
+                secret=reserved["secret"],
                 config=BIG_SESSION,
             )
         )

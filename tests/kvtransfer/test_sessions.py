@@ -34,6 +34,7 @@ async def _start_half(pair: Pair, rid: str, config: Mapping[str, float]) -> list
         gen=0,
         peer=pair.receiver.address,
         dst_ids=reserved["block_ids"],
+        secret=reserved["secret"],
         upto=12,
         config=config,
     )
@@ -79,7 +80,13 @@ async def test_unposted_receiver_is_never_written(pair: Pair) -> None:
     ids = reserved["block_ids"]
     # UCX may complete small (eager) sends locally; either way nobody acknowledges, the lease ends it.
     await pair.send.call(
-        "send", rid="r5", gen=0, peer=pair.receiver.address, dst_ids=ids, config={"lease_s": 0.5}
+        "send",
+        rid="r5",
+        gen=0,
+        peer=pair.receiver.address,
+        dst_ids=ids,
+        secret=reserved["secret"],
+        config={"lease_s": 0.5},
     )
     assert (await pair.send.call("wait_send", rid="r5", gen=0))["reason"] == "lease expired"
     assert (await pair.recv.call("untouched", block_ids=ids))["untouched"]
@@ -93,7 +100,7 @@ async def test_layout_mismatch_is_refused(agents: tuple[SpawnedAgent, SpawnedAge
     client = AgentClient(other.control)
     try:
         with pytest.raises(AgentError, match="head_dim"):
-            await client.call("connect", address=receiver.address)
+            await client.call("connect", address=receiver.address, key=receiver.key)
     finally:
         client.close()
         other.stop()
