@@ -42,7 +42,7 @@ from kvtransfer import (
 )
 from kvtransfer.bench import bench_loops
 from kvtransfer.bench.control import READY_PREFIX
-from kvtransfer.bench.pattern import blocks_match, fill_blocks, fill_sentinel, is_sentinel
+from kvtransfer.bench.pattern import blocks_filled_with, blocks_match, fill_blocks, fill_sentinel, is_sentinel
 from kvtransfer.checksum import block_checksums
 from kvtransfer.session import RecvSession, SendSession
 from kvtransfer.transport import Transport
@@ -158,6 +158,9 @@ class Agent:
 
     async def op_untouched(self, block_ids: list[int]) -> dict[str, Any]:
         return {"untouched": is_sentinel(self.cache, block_ids)}
+
+    async def op_filled_with(self, value: int) -> dict[str, Any]:
+        return {"blocks": blocks_filled_with(self.cache, value)}
 
     async def op_mark_done(
         self, rid: str, gen: int, first_token: int, checksums: list[int] | None = None
