@@ -33,7 +33,7 @@ from engine.worker.record import RequestRecord
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
-from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError
+from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError, new_session_secret
 from splitserve import wire
 from splitserve.control import Received
 from splitserve.v1 import control_pb2, serving_pb2
@@ -118,15 +118,17 @@ class DecodeWorker(WorkerRole):
         self.rearm_lease(r, "no KVDone within the lease")
         assert self.plane is not None and r.peer is not None
         try:
-            peer = await self.plane.peer(r.peer.transfer_address)
+            peer = await self.plane.peer(r.peer)
         except TransportError as exc:
             await self.fail(r, PEER_FAILED, f"no KV connection to the prefill worker: {exc}")
             return
         if not self.is_current(r):
             return  # aborted while connecting
         r.release_session = self.plane.hold(ids)
-        key = session_key(r.rid, r.generation)
-        r.session = RecvSession(peer, key, self.plane.cache, ids, r.release_session, self.plane.config)
+        key, secret = session_key(r.rid, r.generation), new_session_secret()  # goes out in Reserved only
+        r.session = RecvSession(
+            peer, key, secret, self.plane.cache, ids, r.release_session, self.plane.config
+        )
         r.session.start()  # receives posted before P can learn the block ids
         self.spawn(self._receive, r, r.session)
         reserved = control_pb2.Reserved(
@@ -136,6 +138,7 @@ class DecodeWorker(WorkerRole):
             block_ids=wire.pack_ids(ids),
             kv_start_token=hit,
             lease_ms=self.settings.lease_ms,
+            transfer_secret=secret,
         )
         if not await self.to_peer(r.peer, reserved=reserved):
             await self.fail(r, PEER_FAILED, "prefill worker not reading")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from kvtransfer.errors import LayoutMismatch, PeerLost, SessionAborted, TransportError
 from kvtransfer.layout import KVLayout
+from kvtransfer.plan import new_session_secret
 from kvtransfer.session import RecvSession, SendSession, SessionConfig, SessionKey, SessionState
 from kvtransfer.tcp import TcpTransport
 from kvtransfer.transport import Peer, PostedRecv, Transport
@@ -16,12 +17,15 @@ from kvtransfer.ucx import UcxSettings, UcxTransport
 BACKENDS = ("ucx", "tcp")
 
 
-def create_transport(backend: str, layout: KVLayout, ucx: UcxSettings | None = None) -> Transport:
-    """A not yet started transport of `backend` ("ucx" or "tcp") for workers of `layout`."""
+def create_transport(
+    backend: str, layout: KVLayout, ucx: UcxSettings | None = None, key: bytes | None = None
+) -> Transport:
+    """A not yet started transport of `backend` ("ucx" or "tcp") for workers of `layout`, whose
+    transfer key is `key` (random if None; see `Transport.key`)."""
     if backend == "ucx":
-        return UcxTransport(layout, ucx)
+        return UcxTransport(layout, ucx, key)
     if backend == "tcp":
-        return TcpTransport(layout)
+        return TcpTransport(layout, key)
     raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}")
 
 
@@ -44,4 +48,5 @@ __all__ = [
     "UcxSettings",
     "UcxTransport",
     "create_transport",
+    "new_session_secret",
 ]

@@ -13,23 +13,41 @@ learns from the receiver's reservation), so both sides derive the same messages 
 - a *packed* message covers short runs that are coalesced: the receiver receives into a staging
   buffer and scatters (`kernels.scatter_blocks`), the sender gathers (`kernels.gather_blocks`).
 
-Each message has a 64-bit tag: 48 bits of a stable hash of (request id, generation), 16 bits of the
-message index, so a retry under a new generation can never match an old session's receives.
+Each message has a 64-bit tag, a keyed hash (BLAKE2b) of its index under the session's *secret*:
+128 random bits the receiver draws when it reserves the blocks (`new_session_secret`) and sends only
+over the authenticated control plane (Reserved). Only the two ends of the session can name one of its
+tags, so a process that reaches the transfer port cannot hit a posted receive (UCX matches tags
+across every endpoint of a worker); a retry draws a new secret, so no tag is ever reused and a
+finished session's secret names no posted receive.
 """
 
 from __future__ import annotations
 
 import hashlib
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 MAX_MESSAGES = 1 << 16
+SECRET_BYTES = 16
 
 
-def session_tag_base(request_id: str, generation: int) -> int:
-    """High 48 bits of every tag of the session (request_id, generation); stable across processes."""
-    h = hashlib.blake2b(f"{request_id}\x00{generation}".encode(), digest_size=6).digest()
-    return int.from_bytes(h, "big") << 16
+def new_session_secret() -> bytes:
+    """A fresh session secret (the receiver draws one per reservation)."""
+    return secrets.token_bytes(SECRET_BYTES)
+
+
+def check_session_secret(secret: bytes) -> None:
+    """Raise ValueError unless `secret` is long enough to make the session's tags unguessable."""
+    if len(secret) < SECRET_BYTES:
+        raise ValueError(f"a session secret has at least {SECRET_BYTES} bytes, got {len(secret)}")
+
+
+def message_tag(secret: bytes, index: int) -> int:
+    """The 64-bit tag of message `index` of the session whose secret is `secret`; equal in every process."""
+    return int.from_bytes(
+        hashlib.blake2b(index.to_bytes(4, "big"), digest_size=8, key=secret).digest(), "big"
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,8 @@
 """Transfer sessions: one per (request id, generation), on each side, with a lease.
 
+Both sides of a session are built with the same `secret` (drawn by the receiver, handed to the sender
+over the authenticated control plane): every message tag derives from it (kvtransfer.plan).
+
 The receiver (decode side) and the sender (prefill side) each hold one session for a request. How
 "done", "ack" and "abort" travel between them (ZeroMQ control messages in the serving path) is not
 this module's business: whoever learns one calls `mark_done`, `acknowledged` or `abort`.
@@ -39,7 +42,7 @@ import torch
 from kernels import gather_blocks, scatter_blocks
 from kvtransfer.checksum import block_checksums
 from kvtransfer.errors import PeerLost, SessionAborted, TransportError
-from kvtransfer.plan import Message, consecutive_start, plan_messages, session_tag_base
+from kvtransfer.plan import Message, check_session_secret, consecutive_start, message_tag, plan_messages
 from kvtransfer.transport import Peer, PostedRecv
 
 log = structlog.get_logger(__name__)
@@ -77,13 +80,16 @@ class _Session(ABC):
         self,
         peer: Peer,
         key: SessionKey,
+        secret: bytes,
         cache: torch.Tensor,
         block_ids: Sequence[int],
         plan_ids: Sequence[int],
         release: Release,
         config: SessionConfig,
     ) -> None:
+        check_session_secret(secret)
         self.peer, self.key, self.cache, self.config = peer, key, cache, config
+        self._secret = secret
         self.block_ids = list(block_ids)
         block_bytes = cache[0].numel() * cache.element_size()
         self.messages = plan_messages(
@@ -91,7 +97,6 @@ class _Session(ABC):
         )
         self.state = SessionState.ACTIVE
         self.abort_reason: str | None = None
-        self._tag_base = session_tag_base(key.request_id, key.generation)
         self._release, self._released = release, False
         loop = asyncio.get_running_loop()
         self._result: asyncio.Future[int | None] = loop.create_future()
@@ -100,7 +105,7 @@ class _Session(ABC):
         self._log = log.bind(rid=key.request_id, gen=key.generation, peer=peer.address)
 
     def tag(self, message: Message) -> int:
-        return self._tag_base | message.index
+        return message_tag(self._secret, message.index)
 
     def _staging(self, n: int) -> torch.Tensor:
         return torch.empty((n, *self.cache.shape[1:]), dtype=self.cache.dtype, device=self.cache.device)
@@ -151,12 +156,13 @@ class RecvSession(_Session):
         self,
         peer: Peer,
         key: SessionKey,
+        secret: bytes,
         cache: torch.Tensor,
         block_ids: Sequence[int],
         release: Release,
         config: SessionConfig | None = None,
     ) -> None:
-        super().__init__(peer, key, cache, block_ids, block_ids, release, config or SessionConfig())
+        super().__init__(peer, key, secret, cache, block_ids, block_ids, release, config or SessionConfig())
         self._posted: list[PostedRecv] = []
         self._landed: list[asyncio.Task[bool]] = []
         self._first_token: int | None = None
@@ -243,6 +249,7 @@ class SendSession(_Session):
         self,
         peer: Peer,
         key: SessionKey,
+        secret: bytes,
         cache: torch.Tensor,
         src_block_ids: Sequence[int],
         dst_block_ids: Sequence[int],
@@ -251,7 +258,9 @@ class SendSession(_Session):
     ) -> None:
         if len(src_block_ids) > len(dst_block_ids):
             raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} reserved blocks")
-        super().__init__(peer, key, cache, src_block_ids, dst_block_ids, release, config or SessionConfig())
+        super().__init__(
+            peer, key, secret, cache, src_block_ids, dst_block_ids, release, config or SessionConfig()
+        )
         self.num_blocks = len(dst_block_ids)
         self._next = 0
         self._inflight = asyncio.Semaphore(self.config.max_inflight)

@@ -28,6 +28,7 @@ import structlog
 import torch
 
 from kvtransfer.errors import PeerLost, TransportError
+from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import Peer, PostedRecv, Transport, as_bytes
 
@@ -216,8 +217,8 @@ class TcpTransport(Transport):
 
     backend = "tcp"
 
-    def __init__(self, layout: KVLayout, connect_timeout_s: float = 10.0) -> None:
-        super().__init__(layout)
+    def __init__(self, layout: KVLayout, key: bytes | None = None, connect_timeout_s: float = 10.0) -> None:
+        super().__init__(layout, key)
         self.connect_timeout_s = connect_timeout_s
         self._server: socket.socket | None = None
         self._acceptor: asyncio.Task[None] | None = None
@@ -248,34 +249,23 @@ class TcpTransport(Transport):
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def _handshake_accepted(self, sock: socket.socket) -> None:
-        try:
-            address, ok, reply = self.check_hello(
-                await asyncio.wait_for(_recv_blob(sock), self.connect_timeout_s)
-            )
-            await _send_blob(sock, reply)
-        except (OSError, ConnectionError, TimeoutError, ValueError) as e:
-            log.info("kv connection ended during hello", backend="tcp", error=repr(e))
-            sock.close()
-            return
-        if ok:
-            self._register_accepted(TcpPeer(address, sock))
+        address = await self._accept(_TcpHello(sock), self.connect_timeout_s)
+        if address is None:
+            sock.close()  # refused: no frame of this connection was or will be read
         else:
-            sock.close()
+            self._register_accepted(TcpPeer(address, sock))
 
-    async def _connect(self, address: str) -> Peer:
+    async def _connect(self, address: str, key: bytes) -> Peer:
         host, port = address.rsplit(":", 1)
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._tune(sock)
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), self.connect_timeout_s)
-            await _send_blob(sock, self.hello())
-            reply = await asyncio.wait_for(_recv_blob(sock), self.connect_timeout_s)
+            await self._hello(_TcpHello(sock), key, self.connect_timeout_s)
         except (OSError, ConnectionError, TimeoutError) as e:
             sock.close()
-            raise TransportError(f"cannot connect to {address}: {e}") from e
-        try:
-            self.check_reply(reply)
+            raise TransportError(f"cannot connect to {address}: {e!r}") from e
         except TransportError:
             sock.close()
             raise
@@ -294,19 +284,27 @@ class TcpTransport(Transport):
         self._peers.clear()
 
 
-async def _send_blob(sock: socket.socket, data: bytes) -> None:
-    await asyncio.get_running_loop().sock_sendall(sock, _LEN.pack(len(data)) + data)
+class _TcpHello(HelloChannel):
+    """Hello messages on a socket: `<len:u32>` + bytes, at most HELLO_MAX_BYTES each."""
 
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._loop = asyncio.get_running_loop()
 
-async def _recv_blob(sock: socket.socket) -> bytes:
-    loop = asyncio.get_running_loop()
-    out = b""
-    need = _LEN.size
-    while len(out) < need:
-        chunk = await loop.sock_recv(sock, need - len(out))
-        if not chunk:
-            raise ConnectionError("connection closed during hello")
-        out += chunk
-        if len(out) == _LEN.size and need == _LEN.size:
-            need += _LEN.unpack(out)[0]
-    return out[_LEN.size :]
+    async def send(self, data: bytes) -> None:
+        await self._loop.sock_sendall(self._sock, _LEN.pack(len(data)) + data)
+
+    async def recv(self) -> bytes:
+        (size,) = _LEN.unpack(await self._read(_LEN.size))
+        if size > HELLO_MAX_BYTES:
+            raise HelloRefused("malformed", f"hello message of {size} bytes (at most {HELLO_MAX_BYTES})")
+        return await self._read(size)
+
+    async def _read(self, n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = await self._loop.sock_recv(self._sock, n - len(out))
+            if not chunk:
+                raise ConnectionError("connection closed during hello")
+            out += chunk
+        return out

@@ -3,9 +3,10 @@
 Ownership:
 - a worker creates one `Transport` per process, `start()`s it on an address it advertises, and
   `close()`s it at shutdown;
-- `connect(address)` returns the cached `Peer` for that address, connecting (and exchanging the
-  layout digest) only the first time; peers that connect to us are cached the same way, keyed by the
-  address they advertise, so either side may call `connect` for a pair and both get one peer;
+- `connect(address, key)` returns the cached `Peer` for that address, connecting (and running the
+  authenticated hello of kvtransfer.hello with the peer's transfer `key`) only the first time; peers
+  that connect to us are cached the same way, keyed by the address they advertise, but only once they
+  proved they hold our `key`, so either side may call `connect` for a pair and both get one peer;
 - a `Peer` moves bytes two-sided: the receiver posts a tensor as receive buffer under a tag
   (`post_recv`), the sender sends a tensor under the same tag (`send`). A message whose tag has no
   posted receive is never written anywhere the receiver did not post.
@@ -17,20 +18,18 @@ and unmodified until the operation finished (`PostedRecv.wait()` returned / `sen
 from __future__ import annotations
 
 import asyncio
-import json
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 import torch
 
-from kvtransfer.errors import LayoutMismatch, TransportError
+from kvtransfer import hello
+from kvtransfer.hello import HelloChannel, HelloRefused
 from kvtransfer.layout import KVLayout
 
 log = structlog.get_logger(__name__)
-
-PROTOCOL_VERSION = 1
 
 
 class PostedRecv(ABC):
@@ -101,13 +100,25 @@ class Peer(ABC):
 
 
 class Transport(ABC):
-    """Listens, pairs with peers of the same `KVLayout`, and caches one `Peer` per remote address."""
+    """Listens, pairs with authenticated peers of the same `KVLayout`, and caches one `Peer` per
+    remote address.
+
+    `key` is this transport's transfer key (random unless given): whoever connects to us must prove
+    it holds it, so it travels only over the authenticated control plane. Refused connections are
+    counted in `refused` by reason (kvtransfer.hello.REFUSAL_REASONS) and reported to `on_refused`.
+    """
 
     backend: str = ""
 
-    def __init__(self, layout: KVLayout) -> None:
+    def __init__(self, layout: KVLayout, key: bytes | None = None) -> None:
         self.layout = layout
+        self.key = key if key is not None else hello.new_key()
+        if len(self.key) != hello.KEY_BYTES:
+            raise ValueError(f"a transfer key has {hello.KEY_BYTES} bytes, got {len(self.key)}")
         self.address = ""
+        self.refused: Counter[str] = Counter()
+        self.on_refused: Callable[[str], None] = lambda reason: None
+        self._refusals = hello.RateLimitedLog("kv connection refused")
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
 
@@ -116,17 +127,19 @@ class Transport(ABC):
         """Listen on `host:port` (0: the OS picks) and return the advertised address `host:port`."""
 
     @abstractmethod
-    async def _connect(self, address: str) -> Peer:
-        """Open a connection to `address` and run the hello exchange (see `hello` / `check_hello`)."""
+    async def _connect(self, address: str, key: bytes) -> Peer:
+        """Open a connection to `address` and run the connecting side of the hello (`hello.connect`)."""
 
     @abstractmethod
     async def close(self) -> None:
         """Close every peer and stop listening."""
 
-    async def connect(self, address: str) -> Peer:
-        """The cached peer for `address`, connecting first if needed (a lost peer is replaced).
+    async def connect(self, address: str, key: bytes) -> Peer:
+        """The cached peer for `address`, connecting first if needed (a lost peer is replaced);
+        `key` is the peer's transfer key, as its control-plane messages advertise it.
 
-        Raises LayoutMismatch when the peer's layout differs, TransportError when it cannot connect.
+        Raises LayoutMismatch when the peer's layout differs, TransportError when it cannot connect
+        or does not prove it holds `key`.
         """
         peer = self._peers.get(address)
         if peer is not None and not peer.lost:
@@ -134,7 +147,7 @@ class Transport(ABC):
         # Concurrent callers for one address share one connection attempt.
         pending = self._connecting.get(address)
         if pending is None:
-            pending = asyncio.ensure_future(self._connect(address))
+            pending = asyncio.ensure_future(self._connect(address, key))
             self._connecting[address] = pending
             pending.add_done_callback(lambda _: self._connecting.pop(address, None))
         peer = await asyncio.shield(pending)
@@ -152,33 +165,26 @@ class Transport(ABC):
 
     # -- the hello exchange, identical for every backend -------------------------------------------
 
-    def hello(self) -> bytes:
-        """What a connecting side sends first: our advertised address and layout."""
-        return json.dumps(
-            {"version": PROTOCOL_VERSION, "address": self.address, "layout": self.layout.to_dict()}
-        ).encode()
-
-    def check_hello(self, data: bytes) -> tuple[str, bool, bytes]:
-        """Accepting side: (peer address, ok, reply). The reply says ok or names the mismatching field."""
-        msg: dict[str, Any] = json.loads(data)
-        reply: dict[str, Any] = {"ok": True, "address": self.address}
+    async def _accept(self, channel: HelloChannel, timeout_s: float) -> str | None:
+        """Accepting side of the hello, bounded by `timeout_s`: the authenticated peer's address, or
+        None after a refusal (counted in `refused` by reason and logged rate-limited). The caller
+        closes the connection on None and never reads or posts anything on it."""
         try:
-            if msg.get("version") != PROTOCOL_VERSION:
-                raise LayoutMismatch("protocol version", PROTOCOL_VERSION, msg.get("version"))
-            self.layout.check_compatible(KVLayout.from_dict(msg["layout"]))
-        except LayoutMismatch as e:
-            log.warning("kv pairing refused", peer=msg.get("address"), error=str(e))
-            reply = {"ok": False, "field": e.field, "ours": e.ours, "theirs": e.theirs}
-        return str(msg.get("address", "")), bool(reply["ok"]), json.dumps(reply).encode()
+            return await asyncio.wait_for(hello.accept(channel, self.layout, self.key), timeout_s)
+        except HelloRefused as e:
+            reason, detail = e.reason, str(e)
+        except TimeoutError:
+            reason, detail = "timeout", f"no complete hello within {timeout_s} s"
+        except (ConnectionError, OSError) as e:
+            reason, detail = "closed", repr(e)
+        self.refused[reason] += 1
+        self.on_refused(reason)
+        self._refusals.warning(reason, backend=self.backend, detail=detail)
+        return None
 
-    @staticmethod
-    def check_reply(data: bytes) -> None:
-        """Connecting side: raise LayoutMismatch (from our point of view) if the peer refused."""
-        reply = json.loads(data)
-        if not reply.get("ok"):
-            if "field" not in reply:
-                raise TransportError(f"peer refused the connection: {reply}")
-            raise LayoutMismatch(reply["field"], reply["theirs"], reply["ours"])
+    async def _hello(self, channel: HelloChannel, key: bytes, timeout_s: float) -> None:
+        """Connecting side of the hello, bounded by `timeout_s` (TimeoutError)."""
+        await asyncio.wait_for(hello.connect(channel, self.layout, self.address, key), timeout_s)
 
 
 def as_bytes(buf: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 One `UcxTransport` per process (UCXX keeps one context per process): `start()` initialises UCXX with
 `UcxSettings` on the running event loop and listens; `close()` stops it. Bulk messages use the
-session tags verbatim (`force_tag`), so a receive posted on any endpoint matches by tag alone; the
-hello exchange uses the endpoint's private tags.
+session tags verbatim (`force_tag`), so a receive posted on any endpoint matches by tag alone (tag
+receives belong to the UCX worker): what keeps another process's messages out of a posted receive is
+that session tags derive from a per-session secret (kvtransfer.plan). The hello exchange
+(kvtransfer.hello) uses the endpoint's private tags.
 
 Why the defaults are what they are is measured in docs/kvtransfer.md. In short: UCXX endpoints ask
 for peer error handling (needed to survive a peer's death), which rules out UCX's shared-memory
@@ -19,11 +21,13 @@ submission).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import re
+import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,11 +35,13 @@ import structlog
 import torch
 
 from kvtransfer.errors import PeerLost, TransportError
+from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import Peer, PostedRecv, Transport, as_bytes
 
 log = structlog.get_logger(__name__)
 
+_LEN = struct.Struct("<I")
 PROGRESS_MODES = ("hybrid", "thread", "thread-polling", "polling", "blocking")
 
 # Chosen by measurement (docs/kvtransfer.md, "UCX settings").
@@ -299,8 +305,10 @@ class UcxTransport(Transport):
 
     backend = "ucx"
 
-    def __init__(self, layout: KVLayout, settings: UcxSettings | None = None) -> None:
-        super().__init__(layout)
+    def __init__(
+        self, layout: KVLayout, settings: UcxSettings | None = None, key: bytes | None = None
+    ) -> None:
+        super().__init__(layout, key)
         self.settings = settings or UcxSettings()
         self._listener: Any = None
         self._lib: _UcxLib | None = None
@@ -335,38 +343,37 @@ class UcxTransport(Transport):
 
     async def _on_accept(self, endpoint: Any) -> None:
         assert self._lib is not None and self._loop is not None
-        from ucxx.exceptions import UCXError
+        channel = _UcxHello(endpoint)
+        address = await self._accept(channel, self.settings.connect_timeout_s)
+        if address is not None:
+            self._register_accepted(UcxPeer(address, endpoint, self._lib, self._loop, self._spinner))
+            return
+        # Refused. Wait (bounded) for the peer to close after reading our refusal (closing first
+        # could drop it), then close: until then an unauthenticated endpoint can send tagged
+        # messages to this worker, which only match receives under session tags it cannot know.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(channel.recv(), self.settings.connect_timeout_s)
+        await _close_quietly(endpoint)
 
-        try:
-            address, ok, reply = self.check_hello(bytes(await endpoint.recv_obj()))
-            await endpoint.send_obj(reply)
-            if ok:
-                self._register_accepted(UcxPeer(address, endpoint, self._lib, self._loop, self._spinner))
-            else:
-                # Wait (bounded) for the peer to close after reading our refusal; it sends nothing.
-                await asyncio.wait_for(endpoint.recv_obj(), self.settings.connect_timeout_s)
-        except (UCXError, TimeoutError, ValueError) as e:  # a bad peer must not take the listener down
-            log.info("kv connection ended during hello", backend="ucx", error=repr(e))
-
-    async def _connect(self, address: str) -> Peer:
+    async def _connect(self, address: str, key: bytes) -> Peer:
         import ucxx
         from ucxx.exceptions import UCXError
 
         if self._lib is None or self._loop is None:
             raise TransportError("transport not started")
         host, port = address.rsplit(":", 1)
+        timeout_s = self.settings.connect_timeout_s
         try:
-            endpoint = await ucxx.create_endpoint(
-                host, int(port), connect_timeout=self.settings.connect_timeout_s
-            )
-            await endpoint.send_obj(self.hello())
-            reply = bytes(await endpoint.recv_obj())
+            endpoint = await ucxx.create_endpoint(host, int(port), connect_timeout=timeout_s)
         except (UCXError, TimeoutError, OSError) as e:
-            raise TransportError(f"cannot connect to {address}: {e}") from e
+            raise TransportError(f"cannot connect to {address}: {e!r}") from e
         try:
-            self.check_reply(reply)
+            await self._hello(_UcxHello(endpoint), key, timeout_s)
+        except (ConnectionError, TimeoutError, OSError) as e:
+            await _close_quietly(endpoint)
+            raise TransportError(f"cannot connect to {address}: {e!r}") from e
         except TransportError:
-            await endpoint.close()
+            await _close_quietly(endpoint)
             raise
         peer = UcxPeer(address, endpoint, self._lib, self._loop, self._spinner)
         log.info("kv peer connected", backend="ucx", peer=address, transports=peer.transports)
@@ -383,3 +390,41 @@ class UcxTransport(Transport):
             self._listener.close()
             self._listener = None
             ucxx.stop_notifier_thread()
+
+
+async def _close_quietly(endpoint: Any) -> None:
+    with contextlib.suppress(Exception):  # already closed or failed: nothing more to release
+        await endpoint.close()
+
+
+class _UcxHello(HelloChannel):
+    """Hello messages on an endpoint's private tags, each one frame of exactly HELLO_FRAME bytes
+    (`<len:u32>` + message + padding): a receive never allocates what the peer asks for, and a
+    larger message fails UCX's receive (truncated) instead of landing anywhere."""
+
+    HELLO_FRAME = _LEN.size + HELLO_MAX_BYTES
+
+    def __init__(self, endpoint: Any) -> None:
+        self._endpoint = endpoint
+
+    async def send(self, data: bytes) -> None:
+        frame = bytearray(self.HELLO_FRAME)
+        frame[: _LEN.size + len(data)] = _LEN.pack(len(data)) + data
+        await self._call(self._endpoint.send(frame))
+
+    async def recv(self) -> bytes:
+        frame = bytearray(self.HELLO_FRAME)
+        await self._call(self._endpoint.recv(frame))
+        (size,) = _LEN.unpack_from(frame)
+        if size > HELLO_MAX_BYTES:
+            raise HelloRefused("malformed", f"hello message of {size} bytes (at most {HELLO_MAX_BYTES})")
+        return bytes(frame[_LEN.size : _LEN.size + size])
+
+    @staticmethod
+    async def _call(operation: Coroutine[Any, Any, None]) -> None:
+        from ucxx.exceptions import UCXError
+
+        try:
+            await operation
+        except UCXError as e:  # truncated (too large), closed, or failed endpoint
+            raise ConnectionError(f"UCX: {e!r}") from e

@@ -83,6 +83,11 @@ class PrefillJob(RequestRecord):
         assert self.reserved is not None
         return wire.unpack_ids(self.reserved.block_ids)
 
+    def transfer_secret(self) -> bytes:
+        """The session secret D drew for this reservation; the session's tags derive from it."""
+        assert self.reserved is not None
+        return self.reserved.transfer_secret
+
     def final_blocks(self, block_size: int) -> int:
         """Logical blocks whose KV is computed and will not be written again."""
         if self.prefilled:

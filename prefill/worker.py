@@ -166,10 +166,12 @@ class PrefillWorker(WorkerRole):
         sampled the rest follow, then KVDone. Runs as a task that `_stop_shipping` cancels when the
         job ends first."""
         try:
-            peer = await self.plane.peer(job.decode.transfer_address)
-            dst = job.dst_blocks()
+            peer = await self.plane.peer(job.decode)
+            dst, secret = job.dst_blocks(), job.transfer_secret()
             key = session_key(job.rid, job.generation)
-            session = SendSession(peer, key, self.plane.cache, [], dst, job.release_holds, self.plane.config)
+            session = SendSession(
+                peer, key, secret, self.plane.cache, [], dst, job.release_holds, self.plane.config
+            )
             job.session, job.messages = session, session.messages
             started = time.monotonic()
             while True:
@@ -180,7 +182,7 @@ class PrefillWorker(WorkerRole):
                 await step_done.wait()  # protects an invariant: a block is shipped only once final
             if not job.ends_at_first_token:  # else D needs no more KV
                 await self._send(job, session, self._final_sources(job, session))
-        except (TransportError, SessionAborted) as exc:
+        except (TransportError, SessionAborted, ValueError) as exc:  # ValueError: a bad Reserved
             await self.fail(job, PEER_FAILED, f"KV transfer failed: {exc}")
             return
         sent_blocks = sum(m.num_blocks for m in job.messages[: job.sent_messages])

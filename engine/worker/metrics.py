@@ -65,6 +65,12 @@ class WorkerMetrics:
             ["direction"],
             registry=r,
         )
+        self.kv_connections_refused = Counter(
+            "splitserve_worker_kv_connections_refused",
+            "Connections to the KV transfer listener refused during the hello, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.requests = Counter(
             "splitserve_worker_requests", "Requests that ended here, by outcome", ["outcome"], registry=r
         )

@@ -74,6 +74,7 @@ class Worker:
             self.engine.max_model_len,
             self.transfer.address if self.transfer else "",
             self.metrics,
+            self.transfer.transport.key if self.transfer else b"",
         )
         if self.transfer is not None:
             self.control.on_peers = self._preconnect
@@ -103,7 +104,7 @@ class Worker:
     def _preconnect(self, peers: list[control_pb2.Peer]) -> None:
         assert self.transfer is not None
         prefill = serving_pb2.WORKER_ROLE_PREFILL
-        self.transfer.preconnect(p.endpoint.transfer_address for p in peers if p.role == prefill)
+        self.transfer.preconnect(p.endpoint for p in peers if p.role == prefill)
 
     def _ready(self) -> bool:
         return self.control is not None and self.control.ready

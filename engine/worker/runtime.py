@@ -93,6 +93,7 @@ class ControlPlane:
         context_length: int,
         transfer_address: str,
         metrics: WorkerMetrics,
+        transfer_key: bytes = b"",
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -100,7 +101,7 @@ class ControlPlane:
         self.kv_layout = kv_layout
         self.model_identity = model_identity
         self.context_length = context_length
-        self.transfer_address = transfer_address
+        self.transfer_address, self.transfer_key = transfer_address, transfer_key
         self.incarnation = secrets.randbits(64)
         self.keys, coordinator_key = _control_keys(settings)
         self.ctx = zmq.asyncio.Context()
@@ -148,6 +149,7 @@ class ControlPlane:
             control_address=self.control_address,
             transfer_address=self.transfer_address,
             control_public_key=self.keys.public.decode("ascii") if self.keys is not None else "",
+            transfer_key=self.transfer_key,
         )
 
     async def register(self) -> control_pb2.RegisterAck:

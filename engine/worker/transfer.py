@@ -4,6 +4,11 @@ kvtransfer owns the transport (UCX or TCP), the layout descriptor and the transf
 module creates them for a worker: one listener, one cached `kvtransfer.Peer` per peer worker (connected
 when the peer appears, reused by every request), and the block references a session holds.
 
+Trust (docs/security-kv.md): the listener's transfer key goes out in Register only, and the decode
+side connects with the key the prefill worker's WorkerEndpoint carries, so only processes the
+authenticated control plane told about a worker can pair with it; each session's secret (drawn by D,
+sent to P in Reserved) keeps everyone else's messages out of its posted receives.
+
 Block ownership during a transfer: a session holds its OWN reference on each block it reads or writes
 (`hold`), dropped by kvtransfer's exactly-once release callback once no byte can move any more. So the
 request's owner (engine sequence, reservation) frees its references whenever it ends, and a block is
@@ -68,7 +73,7 @@ def kv_layout_proto(engine: LLMEngine) -> control_pb2.KvLayout:
 
 
 def session_key(rid: int, generation: int) -> SessionKey:
-    """Both sides derive the session's tags from this key, so it must be computed identically."""
+    """The session's name in both workers' logs and lookups (its tags derive from its secret)."""
     return SessionKey(str(rid), generation)
 
 
@@ -93,6 +98,7 @@ class TransferPlane:
         self.initiates = settings.role == "decode"
         self.on_release: Callable[[], None] = lambda: None
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
+        transport.on_refused = lambda reason: metrics.kv_connections_refused.labels(reason).inc()
 
     @classmethod
     async def listen(
@@ -103,14 +109,16 @@ class TransferPlane:
         await transport.start(settings.advertise_host, settings.transfer_port)
         return cls(settings, engine, transport, metrics)
 
-    async def peer(self, address: str) -> Peer:
-        """The one kvtransfer peer shared with the worker at `address`; raises TransportError.
+    async def peer(self, endpoint: control_pb2.WorkerEndpoint) -> Peer:
+        """The one kvtransfer peer shared with the worker at `endpoint`; raises TransportError.
 
         One connection per pair, opened by the decode side (which needs it first: it posts its
-        receives before it sends Reserved). The prefill side only uses the connection it accepted,
-        which is registered by the time D's Reserved arrives, give or take the accept handler's last
-        step; that is the one short bounded wait here.
+        receives before it sends Reserved) with the key `endpoint` carries. The prefill side only
+        uses the connection it accepted (which proved it holds our key), registered by the time D's
+        Reserved arrives, give or take the accept handler's last step; that is the one short bounded
+        wait here.
         """
+        address = endpoint.transfer_address
         if not self.initiates:
             return await self._accepted(address)
         cached = self.transport.peer(address)
@@ -118,7 +126,7 @@ class TransferPlane:
             return cached
         task = self._connecting.get(address)
         if task is None:  # one connect per address, however many requests wait for it
-            task = asyncio.ensure_future(self.transport.connect(address))
+            task = asyncio.ensure_future(self.transport.connect(address, endpoint.transfer_key))
             self._connecting[address] = task
             task.add_done_callback(lambda _: self._connecting.pop(address, None))
         return await asyncio.shield(task)
@@ -134,13 +142,13 @@ class TransferPlane:
             # shrinkable: an "accepted" event from kvtransfer would replace this poll
             await asyncio.sleep(_ACCEPT_POLL_S)
 
-    def preconnect(self, addresses: Iterable[str]) -> None:
+    def preconnect(self, endpoints: Iterable[control_pb2.WorkerEndpoint]) -> None:
         """Decode side: connect to new prefill peers now (at registration, not per request)."""
         if not self.initiates:
             return
-        for address in addresses:
-            if address and self.transport.peer(address) is None:
-                task = asyncio.ensure_future(self.peer(address))
+        for endpoint in endpoints:
+            if endpoint.transfer_address and self.transport.peer(endpoint.transfer_address) is None:
+                task = asyncio.ensure_future(self.peer(endpoint))
                 task.add_done_callback(_log_connect_failure)
 
     def hold(self, block_ids: list[int]) -> Callable[[list[int]], None]:

@@ -7,7 +7,9 @@ remote `kvbench run --peer`.
 
     python -m kvtransfer.bench.agent --backend ucx --layout JSON --num-blocks N [--fragment SEED]
 
-On start it prints one line `KVAGENT-READY {"control": ..., "address": ...}` and serves until a
+On start it prints one line `KVAGENT-READY {"control": ..., "address": ..., "key": ...}` (`key`: its
+transfer key, which a peer needs to connect; the control channel is a bench tool's and is not
+authenticated) and serves until a
 `shutdown` request or death. Every block it allocates returns to its pool on every session path.
 """
 
@@ -29,10 +31,18 @@ import zmq
 import zmq.asyncio
 
 from engine.block_pool import BlockPool
-from kvtransfer import KVLayout, SessionAborted, SessionConfig, SessionKey, UcxSettings, create_transport
+from kvtransfer import (
+    KVLayout,
+    SessionAborted,
+    SessionConfig,
+    SessionKey,
+    UcxSettings,
+    create_transport,
+    new_session_secret,
+)
 from kvtransfer.bench import bench_loops
 from kvtransfer.bench.control import READY_PREFIX
-from kvtransfer.bench.pattern import blocks_match, fill_blocks, fill_sentinel, is_sentinel
+from kvtransfer.bench.pattern import blocks_filled_with, blocks_match, fill_blocks, fill_sentinel, is_sentinel
 from kvtransfer.checksum import block_checksums
 from kvtransfer.session import RecvSession, SendSession
 from kvtransfer.transport import Transport
@@ -76,14 +86,16 @@ class Agent:
             intact = False
         return {"free": self.pool.num_free_blocks, "total": self.pool.num_blocks, "intact": intact}
 
-    async def op_connect(self, address: str) -> dict[str, Any]:
+    async def op_connect(self, address: str, key: str) -> dict[str, Any]:
+        """Connect to the agent at `address` whose transfer key is `key` (hex, from its `info`)."""
         loop = asyncio.get_running_loop()
         t0 = loop.time()
-        peer = await self.transport.connect(address)
+        peer = await self.transport.connect(address, bytes.fromhex(key))
         return {"connect_s": loop.time() - t0, "transports": peer.transports}
 
     async def op_info(self) -> dict[str, Any]:
-        return {"address": self.transport.address, "backend": self.transport.backend}
+        t = self.transport
+        return {"address": t.address, "backend": t.backend, "key": t.key.hex(), "refused": dict(t.refused)}
 
     async def op_shutdown(self) -> dict[str, Any]:
         self.stopped.set()
@@ -110,15 +122,18 @@ class Agent:
         post: bool = True,
         config: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Reserve `n_blocks` (sentinel-filled) and, if `post`, open a RecvSession posting them."""
+        """Reserve `n_blocks` (sentinel-filled) and, if `post`, open a RecvSession posting them under
+        a fresh session secret, returned (hex) for the sender as Reserved would carry it."""
         ids = self.pool.allocate(n_blocks)
         if ids is None:
             raise RuntimeError(f"cannot reserve {n_blocks} blocks")
         fill_sentinel(self.cache, ids)
+        secret = new_session_secret()
         if post:
             session = RecvSession(
                 self._peer(peer),
                 self._key(rid, gen),
+                secret,
                 self.cache,
                 ids,
                 self.pool.free,
@@ -128,6 +143,7 @@ class Agent:
             self.recv_sessions[session.key] = session
         return {
             "block_ids": ids,
+            "secret": secret.hex(),
             "messages": len(self.recv_sessions[self._key(rid, gen)].messages) if post else 0,
         }
 
@@ -142,6 +158,9 @@ class Agent:
 
     async def op_untouched(self, block_ids: list[int]) -> dict[str, Any]:
         return {"untouched": is_sentinel(self.cache, block_ids)}
+
+    async def op_filled_with(self, value: int) -> dict[str, Any]:
+        return {"blocks": blocks_filled_with(self.cache, value)}
 
     async def op_mark_done(
         self, rid: str, gen: int, first_token: int, checksums: list[int] | None = None
@@ -171,12 +190,14 @@ class Agent:
         gen: int,
         peer: str,
         dst_ids: list[int],
+        secret: str,
         seed: int = 0,
         upto: int | None = None,
         config: dict[str, Any] | None = None,
         checksums: bool = True,
     ) -> dict[str, Any]:
-        """Allocate and fill source blocks, open a SendSession, send up to `upto` blocks."""
+        """Allocate and fill source blocks, open a SendSession under the receiver's `secret` (hex),
+        send up to `upto` blocks."""
         key = self._key(rid, gen)
         if key not in self.send_sessions:
             ids = self.pool.allocate(len(dst_ids))
@@ -186,6 +207,7 @@ class Agent:
             self.send_sessions[key] = SendSession(
                 self._peer(peer),
                 key,
+                bytes.fromhex(secret),
                 self.cache,
                 ids,
                 dst_ids,
@@ -263,7 +285,12 @@ async def serve(args: argparse.Namespace) -> None:
         control_port = args.control_port
     else:
         control_port = router.bind_to_random_port(f"tcp://{args.host}")
-    info = {"control": f"tcp://{args.host}:{control_port}", "address": address, "backend": args.backend}
+    info = {
+        "control": f"tcp://{args.host}:{control_port}",
+        "address": address,
+        "backend": args.backend,
+        "key": transport.key.hex(),
+    }
     print(READY_PREFIX + json.dumps(info), flush=True)
 
     async def answer(identity: bytes, request: dict[str, Any]) -> None:

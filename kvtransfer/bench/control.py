@@ -66,7 +66,7 @@ class AgentClient:
 
 @dataclass
 class SpawnedAgent:
-    """A local agent process; `info` is its ready line (control endpoint, transport address)."""
+    """A local agent process; `info` is its ready line (control endpoint, transport address and key)."""
 
     process: subprocess.Popen[str]
     info: dict[str, Any]
@@ -78,6 +78,11 @@ class SpawnedAgent:
     @property
     def address(self) -> str:
         return str(self.info["address"])
+
+    @property
+    def key(self) -> str:
+        """Its transfer key, hex (what a peer passes to `connect`)."""
+        return str(self.info["key"])
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Reap the process, killing it if it has not exited within `grace_s`."""

@@ -42,3 +42,8 @@ def fill_sentinel(cache: torch.Tensor, block_ids: Iterable[int]) -> None:
 
 def is_sentinel(cache: torch.Tensor, block_ids: Iterable[int]) -> bool:
     return bool((block_bytes(cache)[list(block_ids)] == SENTINEL).all())
+
+
+def blocks_filled_with(cache: torch.Tensor, value: int) -> list[int]:
+    """Ids of the blocks whose every byte is `value` (what a foreign message would leave)."""
+    return [int(i) for i in (block_bytes(cache) == value).all(dim=1).nonzero().flatten()]

@@ -96,8 +96,9 @@ async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blo
         recv = AgentClient(cfg.peer)
     spawned.append(spawn_agent([*args, "--fragment", "2"], cfg.agent_log, cpu=cpus[1]))
     send = AgentClient(spawned[-1].control)
-    receiver_address = (await recv.call("info"))["address"]
-    connected = await send.call("connect", address=receiver_address)
+    receiver = await recv.call("info")
+    receiver_address = receiver["address"]
+    connected = await send.call("connect", address=receiver_address, key=receiver["key"])
     sender_address = (await send.call("info"))["address"]
     return Agents(
         recv,
@@ -263,6 +264,7 @@ async def model_sweep(
                     "gen": 0,
                     "peer": agents.receiver_address,
                     "dst_ids": reserved["block_ids"],
+                    "secret": reserved["secret"],
                 }
                 await agents.send.call("send", **send, seed=i, upto=0, checksums=False)  # fill; sends nothing
                 t0 = time.perf_counter()

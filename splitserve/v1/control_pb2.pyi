@@ -305,6 +305,7 @@ class WorkerEndpoint(_message.Message):
     CONTROL_ADDRESS_FIELD_NUMBER: _builtins.int
     TRANSFER_ADDRESS_FIELD_NUMBER: _builtins.int
     CONTROL_PUBLIC_KEY_FIELD_NUMBER: _builtins.int
+    TRANSFER_KEY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique worker id."""
     control_address: _builtins.str
@@ -316,6 +317,11 @@ class WorkerEndpoint(_message.Message):
     clients of this key. The coordinator sets it to the key that authenticated the worker's Register
     (whatever the worker wrote); empty only under --insecure-control-plane.
     """
+    transfer_key: _builtins.bytes
+    """The transfer listener's key (32 random bytes per process): a peer connecting to
+    transfer_address must prove it holds it (kvtransfer.hello). Travels only on this authenticated
+    control plane; never shown by the public or admin API.
+    """
     def __init__(
         self,
         *,
@@ -323,10 +329,11 @@ class WorkerEndpoint(_message.Message):
         control_address: _builtins.str = ...,
         transfer_address: _builtins.str = ...,
         control_public_key: _builtins.str = ...,
+        transfer_key: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_address", b"control_address", "control_public_key", b"control_public_key", "transfer_address", b"transfer_address", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["control_address", b"control_address", "control_public_key", b"control_public_key", "transfer_address", b"transfer_address", "transfer_key", b"transfer_key", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1036,6 +1043,7 @@ class Reserved(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     KV_START_TOKEN_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    TRANSFER_SECRET_FIELD_NUMBER: _builtins.int
     rid: _builtins.int
     """Request key."""
     generation: _builtins.int
@@ -1050,6 +1058,10 @@ class Reserved(_message.Message):
     """
     lease_ms: _builtins.int
     """D releases the reservation if KVDone has not arrived within this many milliseconds."""
+    transfer_secret: _builtins.bytes
+    """The transfer session's secret (16 random bytes, fresh per reservation): every transfer tag of
+    the session derives from it (kvtransfer.plan), so only P can hit D's posted receives.
+    """
     def __init__(
         self,
         *,
@@ -1059,10 +1071,11 @@ class Reserved(_message.Message):
         block_ids: _builtins.bytes = ...,
         kv_start_token: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
+        transfer_secret: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "decode_worker_id", b"decode_worker_id", "generation", b"generation", "kv_start_token", b"kv_start_token", "lease_ms", b"lease_ms", "rid", b"rid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "decode_worker_id", b"decode_worker_id", "generation", b"generation", "kv_start_token", b"kv_start_token", "lease_ms", b"lease_ms", "rid", b"rid", "transfer_secret", b"transfer_secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1109,7 +1122,7 @@ Global___ReserveFailed: _TypeAlias = ReserveFailed  # noqa: Y015
 @_typing.final
 class KVChunkReady(_message.Message):
     """P -> D: P posted the sends of one chunk of KV; D posts (or has posted) the matching receives into
-    exactly these reserved blocks. Transfer tags derive from (rid, generation, chunk_index).
+    exactly these reserved blocks. Transfer tags derive from Reserved.transfer_secret.
     """
 
     DESCRIPTOR: _descriptor.Descriptor

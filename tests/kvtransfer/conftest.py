@@ -6,6 +6,7 @@ import itertools
 import json
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -71,7 +72,7 @@ def own_agents(backend: str) -> Iterator[tuple[SpawnedAgent, SpawnedAgent]]:
 
 async def connect_pair(receiver: SpawnedAgent, sender: SpawnedAgent) -> Pair:
     recv, send = AgentClient(receiver.control), AgentClient(sender.control)
-    await send.call("connect", address=receiver.address)
+    await send.call("connect", address=receiver.address, key=receiver.key)
     return Pair(receiver, sender, recv, send)
 
 
@@ -83,19 +84,26 @@ async def pair(agents: tuple[SpawnedAgent, SpawnedAgent]) -> AsyncIterator[Pair]
     p.send.close()
 
 
-async def assert_session_bit_exact(pair: Pair, rid: str, config: Mapping[str, float] | None = None) -> None:
-    """One whole session of 24 fragmented blocks: the bytes land exactly, both pools end free."""
+async def send_into(pair: Pair, rid: str, reserved: Mapping[str, Any], **args: Any) -> dict[str, Any]:
+    """The sender's `send` (generation 0) into the receiver's `reserve` result: its block ids and
+    secret, as Reserved carries them."""
+    dst = {"dst_ids": reserved["block_ids"], "secret": reserved["secret"]}
+    return await pair.send.call("send", rid=rid, gen=0, peer=pair.receiver.address, **dst, **args)
+
+
+async def assert_session_bit_exact(pair: Pair, rid: str, config: Mapping[str, float] | None = None) -> str:
+    """One whole session of 24 fragmented blocks: the bytes land exactly, both pools end free.
+    Returns the session's secret (hex), stale from then on."""
     reserved = await pair.recv.call(
         "reserve", rid=rid, gen=0, n_blocks=24, peer=pair.sender.address, config=config
     )
     ids = reserved["block_ids"]
     assert any(b != a + 1 for a, b in itertools.pairwise(ids)), "reservation should be fragmented"
-    sent = await pair.send.call(
-        "send", rid=rid, gen=0, peer=pair.receiver.address, dst_ids=ids, seed=7, config=config
-    )
+    sent = await send_into(pair, rid, reserved, seed=7, config=config)
     assert sent["sent"], sent
     await pair.recv.call("mark_done", rid=rid, gen=0, first_token=42, checksums=sent["checksums"])
     result = await pair.recv.call("wait_recv", rid=rid, gen=0, seed=7)
     assert result == {"id": result["id"], "ok": True, "done": True, "first_token": 42, "exact": True}
     await pair.send.call("ack", rid=rid, gen=0)
     await pair.pools_free()
+    return str(reserved["secret"])

@@ -12,6 +12,8 @@ import torch
 
 from kvtransfer import KVLayout, Peer, RecvSession, SendSession, SessionConfig, SessionKey, TcpTransport
 
+SECRET = bytes(range(16))
+
 
 @contextlib.asynccontextmanager
 async def tcp_pair(layout: KVLayout) -> AsyncIterator[tuple[Peer, Peer]]:
@@ -20,7 +22,7 @@ async def tcp_pair(layout: KVLayout) -> AsyncIterator[tuple[Peer, Peer]]:
     await prefill.start()
     await decode.start()
     try:
-        to_prefill = await decode.connect(prefill.address)
+        to_prefill = await decode.connect(prefill.address, prefill.key)
         while (to_decode := prefill.peer(decode.address)) is None:
             await asyncio.sleep(0.01)  # bounded by the test timeout: the accept handler's last step
         yield to_prefill, to_decode
@@ -38,9 +40,11 @@ async def test_session_completes_whether_done_or_data_comes_first(done_first: bo
         src_ids, dst_ids = [3, 7, 8], [10, 2, 5]  # non-contiguous on both sides: packed messages
         released: list[list[int]] = []
         config = SessionConfig(lease_s=20.0)
-        recv = RecvSession(to_prefill, SessionKey("r1", 0), dst, dst_ids, released.append, config)
+        recv = RecvSession(to_prefill, SessionKey("r1", 0), SECRET, dst, dst_ids, released.append, config)
         recv.start()
-        send = SendSession(to_decode, SessionKey("r1", 0), src, src_ids, dst_ids, released.append, config)
+        send = SendSession(
+            to_decode, SessionKey("r1", 0), SECRET, src, src_ids, dst_ids, released.append, config
+        )
         if done_first:
             recv.mark_done(first_token=42)
         await asyncio.wait_for(send.send(), 10)
@@ -59,9 +63,9 @@ async def test_sources_can_arrive_chunk_by_chunk() -> None:
         dst = torch.zeros_like(src)
         src_ids, dst_ids = [0, 1, 5, 6, 9], [2, 3, 4, 8, 11]
         config = SessionConfig(lease_s=20.0, max_message_bytes=src[0].numel() * 4, min_direct_bytes=1)
-        recv = RecvSession(to_prefill, SessionKey("r2", 0), dst, dst_ids, lambda _: None, config)
+        recv = RecvSession(to_prefill, SessionKey("r2", 0), SECRET, dst, dst_ids, lambda _: None, config)
         recv.start()
-        send = SendSession(to_decode, SessionKey("r2", 0), src, [], dst_ids, lambda _: None, config)
+        send = SendSession(to_decode, SessionKey("r2", 0), SECRET, src, [], dst_ids, lambda _: None, config)
         with pytest.raises(ValueError, match="source blocks are known"):
             await send.send(1)
         for first, last in ((0, 2), (2, 3), (3, 5)):

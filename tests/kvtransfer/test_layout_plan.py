@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from kvtransfer import KVLayout, LayoutMismatch
-from kvtransfer.plan import consecutive_start, plan_messages, session_tag_base
+from kvtransfer.plan import (
+    check_session_secret,
+    consecutive_start,
+    message_tag,
+    new_session_secret,
+    plan_messages,
+)
 from tests.kvtransfer.conftest import LAYOUT
 
 
@@ -59,8 +65,12 @@ def test_plan_tiles_the_sequence_within_the_size_cap() -> None:
         assert m.direct == (consecutive_start(dst[m.start : m.stop]) is not None and m.num_blocks >= 2)
 
 
-def test_session_tags_differ_by_request_and_generation() -> None:
-    tags = {session_tag_base(rid, gen) for rid in ("a", "b") for gen in (0, 1)}
-    assert len(tags) == 4
-    assert all(tag & 0xFFFF == 0 for tag in tags)
-    assert session_tag_base("a", 0) == session_tag_base("a", 0)
+def test_session_tags_derive_from_the_secret_alone() -> None:
+    a, b = new_session_secret(), new_session_secret()
+    assert a != b and len(a) == 16
+    tags = {message_tag(secret, i) for secret in (a, b) for i in range(1000)}
+    assert len(tags) == 2000  # no two messages of two sessions share a tag
+    assert message_tag(a, 3) == message_tag(bytes(a), 3)  # stable: both sides compute the same
+    assert all(0 <= t < 1 << 64 for t in tags)
+    with pytest.raises(ValueError, match="at least 16 bytes"):
+        check_session_secret(b"short")

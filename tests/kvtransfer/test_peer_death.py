@@ -11,7 +11,7 @@ import pytest
 
 from kvtransfer import KVLayout
 from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
-from tests.kvtransfer.conftest import agent_args, assert_session_bit_exact, connect_pair
+from tests.kvtransfer.conftest import agent_args, assert_session_bit_exact, connect_pair, send_into
 
 MESSAGE_BYTES = 64 << 20  # ~10 ms per message here: a kill lands inside one
 ENDLESS = 1 << 20  # messages: the stream outlives the test
@@ -80,16 +80,7 @@ async def test_sender_killed_mid_message_frees_receiver_pool(backend: str) -> No
         reserved = await pair.recv.call(
             "reserve", rid="k", gen=0, n_blocks=480, peer=sender.address, config=BIG_SESSION
         )
-        sending = asyncio.ensure_future(
-            pair.send.call(
-                "send",
-                rid="k",
-                gen=0,
-                peer=receiver.address,
-                dst_ids=reserved["block_ids"],
-                config=BIG_SESSION,
-            )
-        )
+        sending = asyncio.ensure_future(send_into(pair, "k", reserved, config=BIG_SESSION))
         deadline = time.monotonic() + WAIT_S
         while (await pair.recv.call("recv_progress", rid="k", gen=0))["landed"] < 2:
             assert time.monotonic() < deadline and not sending.done(), "the session did not start streaming"

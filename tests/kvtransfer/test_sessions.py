@@ -10,7 +10,14 @@ from collections.abc import Mapping
 import pytest
 
 from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
-from tests.kvtransfer.conftest import LAYOUT, Pair, agent_args, assert_session_bit_exact, connect_pair
+from tests.kvtransfer.conftest import (
+    LAYOUT,
+    Pair,
+    agent_args,
+    assert_session_bit_exact,
+    connect_pair,
+    send_into,
+)
 
 # Small messages so a session has many (direct and packed) messages to abort between.
 SMALL = {"max_message_bytes": 4 << 10, "min_direct_bytes": 2 << 10}
@@ -28,15 +35,7 @@ async def _start_half(pair: Pair, rid: str, config: Mapping[str, float]) -> list
     reserved = await pair.recv.call(
         "reserve", rid=rid, gen=0, n_blocks=24, peer=pair.sender.address, config=config
     )
-    sent = await pair.send.call(
-        "send",
-        rid=rid,
-        gen=0,
-        peer=pair.receiver.address,
-        dst_ids=reserved["block_ids"],
-        upto=12,
-        config=config,
-    )
+    sent = await send_into(pair, rid, reserved, upto=12, config=config)
     assert sent["sent"], sent
     return list(reserved["block_ids"])
 
@@ -78,9 +77,7 @@ async def test_unposted_receiver_is_never_written(pair: Pair) -> None:
     )
     ids = reserved["block_ids"]
     # UCX may complete small (eager) sends locally; either way nobody acknowledges, the lease ends it.
-    await pair.send.call(
-        "send", rid="r5", gen=0, peer=pair.receiver.address, dst_ids=ids, config={"lease_s": 0.5}
-    )
+    await send_into(pair, "r5", reserved, config={"lease_s": 0.5})
     assert (await pair.send.call("wait_send", rid="r5", gen=0))["reason"] == "lease expired"
     assert (await pair.recv.call("untouched", block_ids=ids))["untouched"]
     await pair.recv.call("free", block_ids=ids)
@@ -93,7 +90,7 @@ async def test_layout_mismatch_is_refused(agents: tuple[SpawnedAgent, SpawnedAge
     client = AgentClient(other.control)
     try:
         with pytest.raises(AgentError, match="head_dim"):
-            await client.call("connect", address=receiver.address)
+            await client.call("connect", address=receiver.address, key=receiver.key)
     finally:
         client.close()
         other.stop()

@@ -1,0 +1,125 @@
+"""An outsider on the transfer network: a process that can reach a worker's transfer port but was
+never told its transfer key or any session secret. Used by test_outsider.py.
+
+    python -m tests.kvtransfer.attacker SPEC_JSON
+
+SPEC: {"backend", "layout", "target": "host:port", "claim": address to impersonate,
+       "messages": [[tag, nbytes], ...] to send under chosen tags, "byte": payload fill value}.
+
+It sends the tagged messages (UCX: straight at the worker, whose tag matching spans endpoints; TCP:
+as RTS/DATA frames, once without any hello and once after a refused one), runs a valid-looking hello
+claiming `claim` with a forged proof, and prints one JSON line: what the target answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import secrets
+import socket
+import struct
+import sys
+from typing import Any
+
+import numpy as np
+
+from kvtransfer.hello import NONCE_BYTES, PROTOCOL_VERSION
+
+_LEN = struct.Struct("<I")
+_HEADER = struct.Struct("<BQQ")  # kvtransfer.tcp's frame header
+_RTS, _DATA = 1, 3
+
+
+def _hello(spec: dict[str, Any]) -> bytes:
+    msg = {"version": PROTOCOL_VERSION, "address": spec["claim"], "layout": spec["layout"]}
+    return json.dumps({**msg, "nonce": secrets.token_hex(NONCE_BYTES)}).encode()
+
+
+def _forged_proof() -> bytes:
+    return json.dumps({"proof": secrets.token_hex(32)}).encode()
+
+
+def _frames(spec: dict[str, Any]) -> bytes:
+    out = b""
+    for tag, nbytes in spec["messages"]:
+        out += (
+            _HEADER.pack(_RTS, tag, nbytes)
+            + _HEADER.pack(_DATA, tag, nbytes)
+            + bytes([spec["byte"]]) * nbytes
+        )
+    return out
+
+
+def _tcp_recv(sock: socket.socket) -> bytes:
+    (size,) = _LEN.unpack(_recv_exactly(sock, _LEN.size))
+    return _recv_exactly(sock, size)
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed by the target")
+        out += chunk
+    return out
+
+
+def attack_tcp(spec: dict[str, Any]) -> dict[str, Any]:
+    host, port = spec["target"].rsplit(":", 1)
+    result: dict[str, Any] = {}
+    # 1. Frames with no hello at all: the target must read them as a (malformed) hello and hang up.
+    with socket.create_connection((host, int(port)), timeout=30) as raw:
+        with contextlib.suppress(OSError):
+            raw.sendall(_frames(spec))
+        with contextlib.suppress(OSError):
+            result["raw_reply"] = raw.recv(1).hex()  # b"" once the target closed
+    # 2. A valid-looking hello with a forged proof, then the frames anyway.
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(_LEN.pack(len(hello := _hello(spec))) + hello)
+        result["challenge"] = json.loads(_tcp_recv(sock))
+        proof = _forged_proof()
+        sock.sendall(_LEN.pack(len(proof)) + proof)
+        result["verdict"] = json.loads(_tcp_recv(sock))
+        with contextlib.suppress(OSError):
+            sock.sendall(_frames(spec))
+            result["after_frames"] = sock.recv(1).hex()
+    return result
+
+
+async def attack_ucx(spec: dict[str, Any]) -> dict[str, Any]:
+    import ucxx
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
+
+    from kvtransfer.ucx import _UcxHello
+
+    host, port = spec["target"].rsplit(":", 1)
+    endpoint = await ucxx.create_endpoint(host, int(port))
+    # Tagged messages first: UCX keeps one endpoint's messages in order, so all of them reached the
+    # target's tag matching before it read our hello (and long before it could close on us).
+    buffers = [np.full(nbytes, spec["byte"], dtype=np.uint8) for _, nbytes in spec["messages"]]
+    requests = [
+        endpoint._ep.tag_send(Array(b), Tag(tag))
+        for (tag, _), b in zip(spec["messages"], buffers, strict=True)
+    ]
+    channel = _UcxHello(endpoint)
+    await channel.send(_hello(spec))
+    result: dict[str, Any] = {"challenge": json.loads(await channel.recv())}
+    await channel.send(_forged_proof())
+    result["verdict"] = json.loads(await channel.recv())
+    result["sends_completed"] = sum(bool(r.completed) for r in requests)
+    with contextlib.suppress(Exception):
+        await endpoint.close()
+    return result
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    result = attack_tcp(spec) if spec["backend"] == "tcp" else asyncio.run(attack_ucx(spec))
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
