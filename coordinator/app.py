@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import Admission
+from coordinator.auth import Authenticator, KeyRing
 from coordinator.chat import TokenizerThread
 from coordinator.control_loop import ControlPlane, Outbox
 from coordinator.dispatch import Dispatcher
@@ -54,7 +55,10 @@ class CoordinatorConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 5555
     metrics_port: int = 9100
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # entries: a key or `sha256:<hex>`; none = one anonymous principal
+    admin_keys: tuple[str, ...] = ()  # none = AdminService disabled
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None  # None = AdminService on the main listener
     max_queue: int = 256
     max_request_bytes: int = 1 << 20
     heartbeat_interval_ms: int = 500
@@ -69,7 +73,7 @@ class Coordinator:
         self.config = config
         self.model = model
         self.incarnation = secrets.randbits(63)
-        self.grpc_address = self.control_address = self.metrics_address = ""
+        self.grpc_address = self.control_address = self.metrics_address = self.admin_address = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_lock = asyncio.Lock()
 
@@ -81,8 +85,9 @@ class Coordinator:
         self.table = RequestTable(self.metrics)
         self.registry = WorkerRegistry(self.model, cfg.heartbeat_timeout_ms / 1e3)
         self.tokenizer = TokenizerThread(self.model.tokenizer)
+        self.auth = Authenticator(KeyRing.parse(cfg.api_keys), KeyRing.parse(cfg.admin_keys))
         self.admission = Admission(
-            self.model, self.tokenizer, api_keys=cfg.api_keys, max_request_bytes=cfg.max_request_bytes
+            self.model, self.tokenizer, auth=self.auth, max_request_bytes=cfg.max_request_bytes
         )
         self._zmq = zmq.asyncio.Context()
         self.socket = ControlSocket.router(self._zmq, f"tcp://{cfg.control_host}:{cfg.control_port}")
@@ -112,39 +117,51 @@ class Coordinator:
         self.health = health.aio.HealthServicer()
         await self._sync_health()
         limit = cfg.max_request_bytes * _GRPC_RECEIVE_FACTOR
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        options = [("grpc.max_receive_message_length", limit)]
+        admin = AdminServicer(self.auth, self.plane, self.metrics)
+        self.server = grpc.aio.server(options=options)
         serving_pb2_grpc.add_InferenceServiceServicer_to_server(
             InferenceServicer(self.admission, self.dispatcher, self.metrics), self.server
         )
         serving_pb2_grpc.add_ModelServiceServicer_to_server(
             ModelServicer(self.admission, self.registry, self.metrics), self.server
         )
-        serving_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.admission, self.plane, self.metrics), self.server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (
-                *SERVICE_NAMES,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self.server,
-        )
+        separate_admin = cfg.admin_port is not None
+        if not separate_admin:
+            serving_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
+        self._add_health(self.server, SERVICE_NAMES if not separate_admin else SERVICE_NAMES[:2])
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         await self.server.start()
         self.grpc_address = f"{cfg.host}:{port}"
+        self.admin_server: grpc.aio.Server | None = None
+        if cfg.admin_port is not None:
+            self.admin_server = grpc.aio.server(options=options)
+            serving_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.admin_server)
+            self._add_health(self.admin_server, SERVICE_NAMES[2:])
+            port = self.admin_server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
+            await self.admin_server.start()
+            self.admin_address = f"{cfg.admin_host}:{port}"
         self._metrics_server, self.metrics_address = serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         self.plane_task = asyncio.create_task(self.plane.run(), name="control-plane")
         log.info("coordinator started", model=self.model.name, **self.ready_info())
 
+    def _add_health(self, server: grpc.aio.Server, services: tuple[str, ...]) -> None:
+        """Health (open: probes carry no key) and reflection over the services this listener serves.
+        Reflection only describes the public schema: no worker address, no request, no key."""
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection((*services, health_name, reflection.SERVICE_NAME), server)
+
     def ready_info(self) -> dict[str, str]:
-        return {
+        info = {
             "role": "coordinator",
             "grpc_address": self.grpc_address,
             "control_address": self.control_address,
             "metrics_address": self.metrics_address,
         }
+        if self.admin_address:
+            info["admin_address"] = self.admin_address
+        return info
 
     def _membership_changed(self) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_health())
@@ -180,6 +197,8 @@ class Coordinator:
 
     async def stop(self) -> None:
         await self.server.stop(grace=1.0)
+        if self.admin_server is not None:
+            await self.admin_server.stop(grace=1.0)
         self.plane_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.plane_task

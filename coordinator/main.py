@@ -8,7 +8,6 @@ Module-level imports stay light: the heavy ones happen in `run`.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -27,11 +26,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=9100, help="Prometheus /metrics port (0 = any free)"
     )
+    _add_key_flags(parser, "api", "accepted API key(s); none = every caller is one anonymous principal")
+    _add_key_flags(parser, "admin", "AdminService key(s); none = AdminService disabled")
     parser.add_argument(
-        "--api-key-env",
-        default="SPLITSERVE_API_KEY",
-        help="environment variable holding the accepted API key(s), comma-separated; unset = no auth",
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve AdminService on its own listener (0 = any free) instead of the main gRPC port",
     )
+    parser.add_argument("--admin-host", default="127.0.0.1", help="listen host of --admin-port")
     parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=500, help="worker heartbeat period")
@@ -43,14 +46,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_key_flags(parser: argparse.ArgumentParser, kind: str, what: str) -> None:
+    """--KIND-key, --KIND-key-env and --KIND-key-file; all three are read (see auth.read_key_entries)."""
+    parser.add_argument(
+        f"--{kind}-key",
+        default="",
+        help=f"{what}, comma-separated, each a key or sha256:<hex> of one (the command line is visible "
+        "to local users: prefer sha256 entries, the environment variable or the key file)",
+    )
+    parser.add_argument(
+        f"--{kind}-key-env",
+        default=f"SPLITSERVE_{kind.upper()}_KEY",
+        help=f"environment variable holding more {kind} key entries, comma-separated",
+    )
+    parser.add_argument(f"--{kind}-key-file", default=None, help=f"file of {kind} key entries, one a line")
+
+
+def _keys(inline: str, env_var: str, path: str | None) -> tuple[str, ...]:
+    from coordinator.auth import read_key_entries
+
+    return read_key_entries(inline, env_var, [path] if path else [])
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
+
+    import structlog
 
     from coordinator.app import CoordinatorConfig
     from splitserve.logs import configure_logging
 
     configure_logging(role="coordinator")
-    keys = tuple(k.strip() for k in os.environ.get(args.api_key_env, "").split(",") if k.strip())
+    log = structlog.get_logger("coordinator")
+    keys = _keys(args.api_key, args.api_key_env, args.api_key_file)
+    admin_keys = _keys(args.admin_key, args.admin_key_env, args.admin_key_file)
+    if not keys:
+        log.warning("no API key configured: every caller is one anonymous principal and sees its requests")
     config = CoordinatorConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -60,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
         control_port=args.control_port,
         metrics_port=args.metrics_port,
         api_keys=keys,
+        admin_keys=admin_keys,
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,
         heartbeat_interval_ms=args.heartbeat_interval_ms,

@@ -5,6 +5,7 @@
             ...
         result = await client.complete_chat([{"role": "user", "content": "Hi"}])
 
+Inference calls carry `api_key`, AdminService calls (`pool_state`) the separate `admin_key`.
 `generate`/`chat` yield the server's response messages as they stream; `complete`/`complete_chat`
 collect one stream into a `Completion`. Errors surface as `grpc.aio.AioRpcError` with the server's
 status code and message.
@@ -67,12 +68,15 @@ def sampling_params(**kw: Any) -> tuple[serving_pb2.SamplingParams, serving_pb2.
 class Client:
     """Owns one gRPC channel; close it with `close()` or `async with`."""
 
-    def __init__(self, target: str, *, api_key: str | None = None, model: str = "") -> None:
+    def __init__(
+        self, target: str, *, api_key: str | None = None, admin_key: str | None = None, model: str = ""
+    ) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.inference = serving_pb2_grpc.InferenceServiceStub(self.channel)
         self.models = serving_pb2_grpc.ModelServiceStub(self.channel)
         self.admin = serving_pb2_grpc.AdminServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.admin_metadata = (("authorization", f"Bearer {admin_key}"),) if admin_key else ()
         self.model = model
 
     async def __aenter__(self) -> Client:
@@ -142,5 +146,5 @@ class Client:
 
     async def pool_state(self, fresh: bool = True) -> serving_pb2.GetPoolStateResponse:
         return await self.admin.GetPoolState(
-            serving_pb2.GetPoolStateRequest(fresh=fresh), metadata=self.metadata
+            serving_pb2.GetPoolStateRequest(fresh=fresh), metadata=self.admin_metadata
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from coordinator.auth import ANONYMOUS
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import RpcError
 from coordinator.metrics import CoordinatorMetrics
@@ -82,7 +83,8 @@ def test_queue_is_bounded_and_ordered_by_priority_then_arrival(
         dispatcher.submit(make_admitted(pool.model, request_id="c"))
     assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL")
     assert (
-        caught.value.metadata == {"queue_depth": "2", "max_queue": "2"} and dispatcher.table.find("c") is None
+        caught.value.metadata == {"queue_depth": "2", "max_queue": "2"}
+        and dispatcher.table.find(ANONYMOUS, "c") is None
     )
     assert sent == [] and len(dispatcher.queue) == 2
     pool.report("d", free=1)  # room for exactly one small request
