@@ -30,6 +30,7 @@ from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.server import AdminServicer, InferenceServicer, ModelServicer
+from coordinator.tls import ServerTls, check_plaintext_bind, server_tls
 from coordinator.workers import WorkerRegistry
 from splitserve.control import ControlSocket
 from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
@@ -59,11 +60,28 @@ class CoordinatorConfig:
     admin_keys: tuple[str, ...] = ()  # none = AdminService disabled
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None  # None = AdminService on the main listener
+    tls_cert: str | None = None  # PEM chain; with tls_key turns TLS on for the gRPC listeners
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mTLS: clients must present a certificate this CA signed
+    insecure_grpc: bool = False  # allow plaintext on a non-loopback host (logged as a warning)
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None  # a plaintext listener serving grpc.health.v1 only (for probes)
     max_queue: int = 256
     max_request_bytes: int = 1 << 20
     heartbeat_interval_ms: int = 500
     heartbeat_timeout_ms: int = 3000
     drain_timeout: float = 30.0
+
+    def __post_init__(self) -> None:
+        """ValueError naming the flag to pass when the TLS flags are inconsistent or a plaintext
+        listener would bind a non-loopback host."""
+        tls = self.tls()
+        check_plaintext_bind(self.host, tls, self.insecure_grpc, "--insecure-grpc")
+        if self.admin_port is not None:
+            check_plaintext_bind(self.admin_host, tls, self.insecure_grpc, "--insecure-grpc")
+
+    def tls(self) -> ServerTls | None:
+        return server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 class Coordinator:
@@ -74,6 +92,8 @@ class Coordinator:
         self.model = model
         self.incarnation = secrets.randbits(63)
         self.grpc_address = self.control_address = self.metrics_address = self.admin_address = ""
+        self.health_address = ""
+        self.tls = config.tls()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_lock = asyncio.Lock()
 
@@ -116,41 +136,50 @@ class Coordinator:
         )
         self.health = health.aio.HealthServicer()
         await self._sync_health()
-        limit = cfg.max_request_bytes * _GRPC_RECEIVE_FACTOR
-        options = [("grpc.max_receive_message_length", limit)]
+        inference = InferenceServicer(self.admission, self.dispatcher, self.metrics)
+        models = ModelServicer(self.admission, self.registry, self.metrics)
         admin = AdminServicer(self.auth, self.plane, self.metrics)
-        self.server = grpc.aio.server(options=options)
-        serving_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.admission, self.dispatcher, self.metrics), self.server
-        )
-        serving_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(self.admission, self.registry, self.metrics), self.server
-        )
-        separate_admin = cfg.admin_port is not None
-        if not separate_admin:
-            serving_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.server)
-        self._add_health(self.server, SERVICE_NAMES if not separate_admin else SERVICE_NAMES[:2])
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        await self.server.start()
-        self.grpc_address = f"{cfg.host}:{port}"
-        self.admin_server: grpc.aio.Server | None = None
+        main: list[tuple[str, Any]] = [("InferenceService", inference), ("ModelService", models)]
+        if cfg.admin_port is None:
+            main.append(("AdminService", admin))
+        self.server, self.grpc_address = await self._listen(main, cfg.host, cfg.port, self.tls)
+        self.admin_server = self.health_server = None
         if cfg.admin_port is not None:
-            self.admin_server = grpc.aio.server(options=options)
-            serving_pb2_grpc.add_AdminServiceServicer_to_server(admin, self.admin_server)
-            self._add_health(self.admin_server, SERVICE_NAMES[2:])
-            port = self.admin_server.add_insecure_port(f"{cfg.admin_host}:{cfg.admin_port}")
-            await self.admin_server.start()
-            self.admin_address = f"{cfg.admin_host}:{port}"
+            self.admin_server, self.admin_address = await self._listen(
+                [("AdminService", admin)], cfg.admin_host, cfg.admin_port, self.tls
+            )
+        if cfg.health_port is not None:  # health only: no key, no data, so plaintext is acceptable
+            self.health_server, self.health_address = await self._listen(
+                [], cfg.health_host, cfg.health_port, None
+            )
         self._metrics_server, self.metrics_address = serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         self.plane_task = asyncio.create_task(self.plane.run(), name="control-plane")
         log.info("coordinator started", model=self.model.name, **self.ready_info())
 
-    def _add_health(self, server: grpc.aio.Server, services: tuple[str, ...]) -> None:
-        """Health (open: probes carry no key) and reflection over the services this listener serves.
-        Reflection only describes the public schema: no worker address, no request, no key."""
+    async def _listen(
+        self, services: list[tuple[str, Any]], host: str, port: int, tls: ServerTls | None
+    ) -> tuple[grpc.aio.Server, str]:
+        """A started gRPC server with `services` (serving.proto name, servicer), health and reflection.
+
+        Health is open (probes carry no key). Reflection describes only the public schema of this
+        listener's services: no worker address, no request, no key."""
+        limit = self.config.max_request_bytes * _GRPC_RECEIVE_FACTOR
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        names = []
+        for name, servicer in services:
+            getattr(serving_pb2_grpc, f"add_{name}Servicer_to_server")(servicer, server)
+            names.append(serving_pb2.DESCRIPTOR.services_by_name[name].full_name)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((*services, health_name, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
+        address = f"{host}:{port}"
+        bound = (
+            server.add_insecure_port(address)
+            if tls is None
+            else server.add_secure_port(address, tls.credentials())
+        )
+        await server.start()
+        return server, f"{host}:{bound}"
 
     def ready_info(self) -> dict[str, str]:
         info = {
@@ -161,6 +190,8 @@ class Coordinator:
         }
         if self.admin_address:
             info["admin_address"] = self.admin_address
+        if self.health_address:
+            info["health_address"] = self.health_address
         return info
 
     def _membership_changed(self) -> None:
@@ -197,8 +228,9 @@ class Coordinator:
 
     async def stop(self) -> None:
         await self.server.stop(grace=1.0)
-        if self.admin_server is not None:
-            await self.admin_server.stop(grace=1.0)
+        for server in (self.admin_server, self.health_server):
+            if server is not None:
+                await server.stop(grace=1.0)
         self.plane_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self.plane_task

@@ -8,6 +8,7 @@ Module-level imports stay light: the heavy ones happen in `run`.
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,6 +36,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="serve AdminService on its own listener (0 = any free) instead of the main gRPC port",
     )
     parser.add_argument("--admin-host", default="127.0.0.1", help="listen host of --admin-port")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mTLS)"
+    )
+    parser.add_argument(
+        "--insecure-grpc",
+        action="store_true",
+        help="allow plaintext gRPC on a non-loopback --host/--admin-host (unencrypted, spoofable)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve grpc.health.v1 alone, plaintext, on this port (kubelet gRPC probes; 0 = any)",
+    )
+    parser.add_argument("--health-host", default="127.0.0.1", help="listen host of --health-port")
     parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=500, help="worker heartbeat period")
@@ -73,16 +91,28 @@ def run(args: argparse.Namespace) -> int:
 
     import structlog
 
-    from coordinator.app import CoordinatorConfig
     from splitserve.logs import configure_logging
 
     configure_logging(role="coordinator")
     log = structlog.get_logger("coordinator")
-    keys = _keys(args.api_key, args.api_key_env, args.api_key_file)
-    admin_keys = _keys(args.admin_key, args.admin_key_env, args.admin_key_file)
+    try:
+        keys = _keys(args.api_key, args.api_key_env, args.api_key_file)
+        admin_keys = _keys(args.admin_key, args.admin_key_env, args.admin_key_file)
+        config = _config(args, keys, admin_keys)
+    except (ValueError, OSError) as exc:  # a flag to fix: say which, exit 2 like argparse
+        print(f"splitserve coordinator: error: {exc}", file=sys.stderr)
+        return 2
     if not keys:
         log.warning("no API key configured: every caller is one anonymous principal and sees its requests")
-    config = CoordinatorConfig(
+    return asyncio.run(_serve(config))
+
+
+def _config(
+    args: argparse.Namespace, keys: tuple[str, ...], admin_keys: tuple[str, ...]
+) -> CoordinatorConfig:
+    from coordinator.app import CoordinatorConfig
+
+    return CoordinatorConfig(
         model=args.model,
         served_model_name=args.served_model_name,
         host=args.host,
@@ -94,13 +124,18 @@ def run(args: argparse.Namespace) -> int:
         admin_keys=admin_keys,
         admin_host=args.admin_host,
         admin_port=args.admin_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        insecure_grpc=args.insecure_grpc,
+        health_host=args.health_host,
+        health_port=args.health_port,
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
         heartbeat_timeout_ms=args.heartbeat_timeout_ms,
         drain_timeout=args.drain_timeout,
     )
-    return asyncio.run(_serve(config))
 
 
 async def _serve(config: CoordinatorConfig) -> int:
