@@ -187,7 +187,8 @@ class Admission:
             ids, where = list(request.token_ids.ids), "token_ids"
         else:
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids, where = await self.tokenizer.encode(request.text, add_special), "text"
+            ids = await self.tokenizer.encode(request.text, add_special, time_remaining)
+            where = "text"
         return self._finish(request, principal, request_id, params, ids, where, time_remaining)
 
     async def admit_chat(
@@ -200,7 +201,7 @@ class Admission:
         if not request.messages:
             raise empty_prompt("messages", "messages is empty: send at least one chat message")
         self.check_size(request)
-        rendered = await self.tokenizer.render_chat(request.messages, request.template)
+        rendered = await self.tokenizer.render_chat(request.messages, request.template, time_remaining)
         return self._finish(
             request, principal, request_id, params, rendered.token_ids, "messages", time_remaining
         )

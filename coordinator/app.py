@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import Admission
 from coordinator.auth import Authenticator, KeyRing
-from coordinator.chat import TokenizerThread
+from coordinator.chat import TemplateLimits, TokenizerThread
 from coordinator.control_loop import ControlPlane, Outbox
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import unavailable
@@ -66,6 +66,7 @@ class CoordinatorConfig:
     insecure_grpc: bool = False  # allow plaintext on a non-loopback host (logged as a warning)
     health_host: str = "127.0.0.1"
     health_port: int | None = None  # a plaintext listener serving grpc.health.v1 only (for probes)
+    templates: TemplateLimits = field(default_factory=TemplateLimits)
     max_queue: int = 256
     max_request_bytes: int = 1 << 20
     heartbeat_interval_ms: int = 500
@@ -104,7 +105,7 @@ class Coordinator:
         self.metrics = CoordinatorMetrics()
         self.table = RequestTable(self.metrics)
         self.registry = WorkerRegistry(self.model, cfg.heartbeat_timeout_ms / 1e3)
-        self.tokenizer = TokenizerThread(self.model.tokenizer)
+        self.tokenizer = TokenizerThread(self.model.tokenizer, cfg.templates)
         self.auth = Authenticator(KeyRing.parse(cfg.api_keys), KeyRing.parse(cfg.admin_keys))
         self.admission = Admission(
             self.model, self.tokenizer, auth=self.auth, max_request_bytes=cfg.max_request_bytes

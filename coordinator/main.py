@@ -53,6 +53,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also serve grpc.health.v1 alone, plaintext, on this port (kubelet gRPC probes; 0 = any)",
     )
     parser.add_argument("--health-host", default="127.0.0.1", help="listen host of --health-port")
+    parser.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="let requests replace the model's chat template (template.kwargs.chat_template)",
+    )
+    parser.add_argument(
+        "--chat-template-timeout-ms",
+        type=float,
+        default=2000.0,
+        help="render time limit of one chat template (the call's deadline applies too)",
+    )
+    parser.add_argument(
+        "--max-rendered-chars", type=int, default=1 << 20, help="largest rendered chat prompt, in characters"
+    )
+    parser.add_argument(
+        "--chat-template-threads", type=int, default=2, help="threads rendering chat templates concurrently"
+    )
     parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=500, help="worker heartbeat period")
@@ -111,7 +128,14 @@ def _config(
     args: argparse.Namespace, keys: tuple[str, ...], admin_keys: tuple[str, ...]
 ) -> CoordinatorConfig:
     from coordinator.app import CoordinatorConfig
+    from coordinator.chat import TemplateLimits
 
+    templates = TemplateLimits(
+        allow_request_template=args.allow_request_chat_template,
+        render_timeout_s=args.chat_template_timeout_ms / 1e3,
+        max_rendered_chars=args.max_rendered_chars,
+        render_threads=args.chat_template_threads,
+    )
     return CoordinatorConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -130,6 +154,7 @@ def _config(
         insecure_grpc=args.insecure_grpc,
         health_host=args.health_host,
         health_port=args.health_port,
+        templates=templates,
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,
         heartbeat_interval_ms=args.heartbeat_interval_ms,

@@ -121,12 +121,14 @@ class InferenceServicer(serving_pb2_grpc.InferenceServiceServicer):
             if request.WhichOneof("input") == "chat":
                 if not request.chat.messages:
                     raise empty_prompt("chat.messages", "chat.messages is empty: send at least one message")
-                chat = await self.admission.tokenizer.render_chat(request.chat.messages, request.template)
+                chat = await self.admission.tokenizer.render_chat(
+                    request.chat.messages, request.template, context.time_remaining()
+                )
                 return serving_pb2.TokenizeResponse(token_ids=chat.token_ids, rendered_prompt=chat.text)
             if not request.text:
                 raise empty_prompt("text", "nothing to tokenize: set a non-empty text or chat")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = await self.admission.tokenizer.encode(request.text, add_special)
+            ids = await self.admission.tokenizer.encode(request.text, add_special, context.time_remaining())
             return serving_pb2.TokenizeResponse(token_ids=ids)
         except RpcError as err:
             await reject(context, err, self.metrics)
