@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import structlog
 import zmq.asyncio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import Admission
@@ -28,12 +28,13 @@ from coordinator.errors import unavailable
 from coordinator.metrics import CoordinatorMetrics, serve_metrics
 from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
+from coordinator.rpc_handlers import add_service
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.server import AdminServicer, InferenceServicer, ModelServicer
 from coordinator.tls import ServerTls, check_plaintext_bind, server_tls
 from coordinator.workers import WorkerRegistry
 from splitserve.control import ControlSocket
-from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
+from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -166,13 +167,14 @@ class Coordinator:
         listener's services: no worker address, no request, no key."""
         limit = self.config.max_request_bytes * _GRPC_RECEIVE_FACTOR
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
-        names = []
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+        add_service(server, health_service, health_pb2, self.health, self.metrics)
+        names = [health_service.full_name, reflection.SERVICE_NAME]
         for name, servicer in services:
-            getattr(serving_pb2_grpc, f"add_{name}Servicer_to_server")(servicer, server)
-            names.append(serving_pb2.DESCRIPTOR.services_by_name[name].full_name)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection((*names, health_name, reflection.SERVICE_NAME), server)
+            service = serving_pb2.DESCRIPTOR.services_by_name[name]
+            add_service(server, service, serving_pb2, servicer, self.metrics)
+            names.append(service.full_name)
+        reflection.enable_server_reflection(names, server)
         address = f"{host}:{port}"
         bound = (
             server.add_insecure_port(address)
