@@ -7,7 +7,7 @@ TORCH   ?= torch==2.13.0
 # GPU machines: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
 
-.PHONY: setup run test lint typecheck proto fmt clean bench kvbench
+.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench
 
 setup: $(STAMP)
 
@@ -23,6 +23,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# the seeded fuzz tests at full size (make test runs a few hundred cases of each)
+fuzz: setup
+	SPLITSERVE_FUZZ_CASES=10000 $(BIN)/python -m pytest -q -m fuzz --timeout 3600
 
 lint: setup
 	$(BIN)/ruff check .

@@ -5,7 +5,8 @@ deserializer; when it raises (bytes that are not a valid message: a bad tag, a t
 UTF-8 in a string), grpcio ends the call with UNKNOWN. `add_service` registers the same methods with a
 deserializer that never raises: it returns a `Malformed` marker instead, and the method's wrapper ends
 that call with INVALID_ARGUMENT MALFORMED_REQUEST before the servicer sees it. The wrapper also turns an
-unexpected servicer exception (a bug) into INTERNAL with a logged traceback instead of UNKNOWN.
+unexpected servicer exception (a bug) into INTERNAL with a logged traceback instead of UNKNOWN, and a
+method the servicer leaves to its generated base class (health's List) into UNIMPLEMENTED.
 Unary-unary and unary-stream methods are supported (all that serving.proto and health use).
 """
 
@@ -64,9 +65,12 @@ class _Edge:
     def __init__(self, metrics: CoordinatorMetrics) -> None:
         self.metrics = metrics
 
-    async def bug(self, context: Context, method: str) -> None:
-        log.exception("servicer raised", method=method)
-        err = RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", f"the server failed to handle {method}")
+    async def failed(self, context: Context, method: str, exc: Exception) -> None:
+        if isinstance(exc, NotImplementedError):  # a generated base-class method nobody overrides
+            err = RpcError(grpc.StatusCode.UNIMPLEMENTED, None, f"{method} is not implemented by this server")
+        else:
+            log.exception("servicer raised", method=method)
+            err = RpcError(grpc.StatusCode.INTERNAL, "INTERNAL", f"the server failed to handle {method}")
         await reject(context, err, self.metrics)
 
     def unary(self, method: str, impl: Callable[[Any, Context], Any]) -> Callable[[Any, Context], Any]:
@@ -77,8 +81,8 @@ class _Edge:
                 return await impl(request, context)
             except grpc.aio.AbortError:
                 raise
-            except Exception:
-                await self.bug(context, method)
+            except Exception as exc:
+                await self.failed(context, method, exc)
 
         return handle
 
@@ -93,8 +97,8 @@ class _Edge:
                     yield response
             except grpc.aio.AbortError:
                 raise
-            except Exception:
-                await self.bug(context, method)
+            except Exception as exc:
+                await self.failed(context, method, exc)
 
         return handle
 
