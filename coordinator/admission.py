@@ -13,20 +13,20 @@ Parameter ranges are `engine.sampling_params.SamplingParams`'s own checks, not a
 
 from __future__ import annotations
 
-import hmac
 import re
 import secrets
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 from google.protobuf.message import Message
 
+from coordinator.auth import ANONYMOUS, Authenticator, Metadata, Principal, bearer_from_metadata
 from coordinator.chat import TokenizerThread
-from coordinator.errors import RpcError, empty_prompt, invalid
+from coordinator.errors import RpcError, clip, empty_prompt, invalid
 from coordinator.served_model import ServedModel
 from engine.sampling_params import SamplingParams
 from splitserve.v1 import control_pb2, serving_pb2
@@ -35,7 +35,6 @@ from splitserve.wire import pack_ids
 DEFAULT_MAX_TOKENS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 128
-Metadata = Iterable[tuple[str, str | bytes]]
 
 # SamplingParams field -> the request path a rejection names
 _FIELD_PATHS = {
@@ -60,7 +59,7 @@ _PRINTABLE_ASCII = re.compile(r"[\x20-\x7e]+")
 class AdmittedRequest:
     """What admission produced. Immutable after admission; owned by the request's record."""
 
-    request_id: str
+    request_id: str  # unique per principal, not globally
     model: ServedModel
     prompt_token_ids: list[int]
     params: SamplingParams  # resolved: max_tokens and seed are always set
@@ -71,6 +70,7 @@ class AdmittedRequest:
     deadline_unix_ns: int = 0
     arrival: float = field(default_factory=time.monotonic)
     packed_prompt: bytes = b""
+    principal: Principal = ANONYMOUS  # the owner: only it can see or abort the request
 
     def __post_init__(self) -> None:
         self.packed_prompt = pack_ids(self.prompt_token_ids)
@@ -121,35 +121,18 @@ class Admission:
         model: ServedModel,
         tokenizer: TokenizerThread,
         *,
-        api_keys: Sequence[str] = (),
+        auth: Authenticator | None = None,
         max_request_bytes: int = 1 << 20,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
-        self._api_keys = tuple(k.encode() for k in api_keys if k)
+        self.auth = auth or Authenticator()
         self.max_request_bytes = max_request_bytes
 
     # -- the cheap checks, in order ------------------------------------------------------------
-    def authenticate(self, metadata: Metadata | None) -> None:
-        """`authorization: Bearer <key>` when keys are configured (UNAUTHENTICATED otherwise)."""
-        if not self._api_keys:
-            return
-        values = [v for k, v in metadata or () if k.lower() == "authorization"]
-        if not values:
-            raise RpcError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "API_KEY_MISSING",
-                "this server requires an API key: send metadata 'authorization: Bearer <key>'",
-            )
-        raw = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
-        scheme, _, key = raw.strip().partition(" ")
-        given = key.strip().encode()
-        if scheme.lower() != "bearer" or not any(hmac.compare_digest(given, k) for k in self._api_keys):
-            raise RpcError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                "API_KEY_INVALID",
-                "the API key is not accepted: send 'authorization: Bearer <key>' with a valid key",
-            )
+    def authenticate(self, metadata: Metadata | None) -> Principal:
+        """The caller's principal from `authorization: Bearer <key>` (see coordinator.auth)."""
+        return self.auth.authenticate(bearer_from_metadata(metadata))
 
     def check_model(self, name: str) -> None:
         """Empty means the only served model."""
@@ -157,7 +140,7 @@ class Admission:
             raise RpcError(
                 grpc.StatusCode.NOT_FOUND,
                 "MODEL_NOT_FOUND",
-                f"model {name!r} is not served here; use {self.model.name!r} (see ListModels)",
+                f"model {clip(name)!r} is not served here; use {self.model.name!r} (see ListModels)",
                 metadata={"model": name},
             )
 
@@ -188,7 +171,7 @@ class Admission:
     async def admit_generate(
         self, request: serving_pb2.GenerateRequest, metadata: Metadata | None, time_remaining: float | None
     ) -> AdmittedRequest:
-        self.authenticate(metadata)
+        principal = self.authenticate(metadata)
         self.check_model(request.model)
         params = self._params(request.sampling, request.stopping, request.output)
         request_id = _request_id(request.request_id)
@@ -204,21 +187,24 @@ class Admission:
             ids, where = list(request.token_ids.ids), "token_ids"
         else:
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids, where = await self.tokenizer.encode(request.text, add_special), "text"
-        return self._finish(request, request_id, params, ids, where, time_remaining)
+            ids = await self.tokenizer.encode(request.text, add_special, time_remaining)
+            where = "text"
+        return self._finish(request, principal, request_id, params, ids, where, time_remaining)
 
     async def admit_chat(
         self, request: serving_pb2.ChatRequest, metadata: Metadata | None, time_remaining: float | None
     ) -> AdmittedRequest:
-        self.authenticate(metadata)
+        principal = self.authenticate(metadata)
         self.check_model(request.model)
         params = self._params(request.sampling, request.stopping, request.output)
         request_id = _request_id(request.request_id)
         if not request.messages:
             raise empty_prompt("messages", "messages is empty: send at least one chat message")
         self.check_size(request)
-        rendered = await self.tokenizer.render_chat(request.messages, request.template)
-        return self._finish(request, request_id, params, rendered.token_ids, "messages", time_remaining)
+        rendered = await self.tokenizer.render_chat(request.messages, request.template, time_remaining)
+        return self._finish(
+            request, principal, request_id, params, rendered.token_ids, "messages", time_remaining
+        )
 
     def _params(
         self,
@@ -252,6 +238,7 @@ class Admission:
     def _finish(
         self,
         request: serving_pb2.GenerateRequest | serving_pb2.ChatRequest,
+        principal: Principal,
         request_id: str,
         params: SamplingParams,
         prompt: list[int],
@@ -311,6 +298,7 @@ class Admission:
             return_prompt_token_ids=output.return_prompt_token_ids,
             priority=request.priority,
             deadline_unix_ns=deadline,
+            principal=principal,
         )
 
 

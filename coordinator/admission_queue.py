@@ -62,6 +62,17 @@ class AdmissionQueue:
     def remove(self, record: RequestRecord) -> None:
         self._live.discard(record.rid)
 
+    def ordered(self) -> list[RequestRecord]:
+        """The waiting requests in queue order (a snapshot; `remove` takes one out of turn). Compacts
+        the heap: entries of removed requests and repeats of a re-queued one are dropped."""
+        entries, seen = [], set()
+        for entry in sorted(self._heap):
+            if entry[1] in self._live and entry[1] not in seen:
+                seen.add(entry[1])
+                entries.append(entry)
+        self._heap = entries  # a sorted list is a valid heap
+        return [entry[3] for entry in entries]
+
     def drain_all(self) -> list[RequestRecord]:
         """Take every waiting request out, in queue order."""
         out = []

@@ -10,25 +10,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import structlog
 import zmq.asyncio
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import Admission
-from coordinator.chat import TokenizerThread
+from coordinator.auth import Authenticator, KeyRing
+from coordinator.chat import TemplateLimits, TokenizerThread
 from coordinator.control_loop import ControlPlane, Outbox
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import unavailable
 from coordinator.metrics import CoordinatorMetrics, serve_metrics
 from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
+from coordinator.rpc_handlers import add_service
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.server import AdminServicer, InferenceServicer, ModelServicer
+from coordinator.tls import ServerTls, check_plaintext_bind, server_tls
 from coordinator.workers import WorkerRegistry
 from splitserve.control import ControlSocket, CurveKeys
 from splitserve.control_auth import (
@@ -38,7 +41,7 @@ from splitserve.control_auth import (
     ZapHandler,
     load_keys,
 )
-from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
+from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
@@ -61,7 +64,17 @@ class CoordinatorConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 5555
     metrics_port: int = 9100
-    api_keys: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # entries: a key or `sha256:<hex>`; none = one anonymous principal
+    admin_keys: tuple[str, ...] = ()  # none = AdminService disabled
+    admin_host: str = "127.0.0.1"
+    admin_port: int | None = None  # None = AdminService on the main listener
+    tls_cert: str | None = None  # PEM chain; with tls_key turns TLS on for the gRPC listeners
+    tls_key: str | None = None
+    tls_client_ca: str | None = None  # mTLS: clients must present a certificate this CA signed
+    insecure_grpc: bool = False  # allow plaintext on a non-loopback host (logged as a warning)
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None  # a plaintext listener serving grpc.health.v1 only (for probes)
+    templates: TemplateLimits = field(default_factory=TemplateLimits)
     max_queue: int = 256
     max_request_bytes: int = 1 << 20
     heartbeat_interval_ms: int = 500
@@ -71,6 +84,17 @@ class CoordinatorConfig:
     control_authorized_keys: str = ""  # dir of worker public keys, each file named for its role
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
 
+    def __post_init__(self) -> None:
+        """ValueError naming the flag to pass when the TLS flags are inconsistent or a plaintext
+        listener would bind a non-loopback host."""
+        tls = self.tls()
+        check_plaintext_bind(self.host, tls, self.insecure_grpc, "--insecure-grpc")
+        if self.admin_port is not None:
+            check_plaintext_bind(self.admin_host, tls, self.insecure_grpc, "--insecure-grpc")
+
+    def tls(self) -> ServerTls | None:
+        return server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
+
 
 class Coordinator:
     """One coordinator. Created, started, drained and stopped by its owner (main or a test)."""
@@ -79,7 +103,9 @@ class Coordinator:
         self.config = config
         self.model = model
         self.incarnation = secrets.randbits(63)
-        self.grpc_address = self.control_address = self.metrics_address = ""
+        self.grpc_address = self.control_address = self.metrics_address = self.admin_address = ""
+        self.health_address = ""
+        self.tls = config.tls()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_lock = asyncio.Lock()
         self.failed = False  # the control plane died: never SERVING again
@@ -91,9 +117,10 @@ class Coordinator:
         self.metrics = CoordinatorMetrics()
         self.table = RequestTable(self.metrics)
         self.registry = WorkerRegistry(self.model, cfg.heartbeat_timeout_ms / 1e3)
-        self.tokenizer = TokenizerThread(self.model.tokenizer)
+        self.tokenizer = TokenizerThread(self.model.tokenizer, cfg.templates)
+        self.auth = Authenticator(KeyRing.parse(cfg.api_keys), KeyRing.parse(cfg.admin_keys))
         self.admission = Admission(
-            self.model, self.tokenizer, api_keys=cfg.api_keys, max_request_bytes=cfg.max_request_bytes
+            self.model, self.tokenizer, auth=self.auth, max_request_bytes=cfg.max_request_bytes
         )
         keys, authorized = self._control_keys()
         self._zmq = zmq.asyncio.Context()
@@ -130,29 +157,22 @@ class Coordinator:
         )
         self.health = health.aio.HealthServicer()
         await self._sync_health()
-        limit = cfg.max_request_bytes * _GRPC_RECEIVE_FACTOR
-        self.server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
-        serving_pb2_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.admission, self.dispatcher, self.metrics), self.server
-        )
-        serving_pb2_grpc.add_ModelServiceServicer_to_server(
-            ModelServicer(self.admission, self.registry, self.metrics), self.server
-        )
-        serving_pb2_grpc.add_AdminServiceServicer_to_server(
-            AdminServicer(self.admission, self.plane, self.metrics), self.server
-        )
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (
-                *SERVICE_NAMES,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            self.server,
-        )
-        port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-        await self.server.start()
-        self.grpc_address = f"{cfg.host}:{port}"
+        inference = InferenceServicer(self.admission, self.dispatcher, self.metrics)
+        models = ModelServicer(self.admission, self.registry, self.metrics)
+        admin = AdminServicer(self.auth, self.plane, self.metrics)
+        main: list[tuple[str, Any]] = [("InferenceService", inference), ("ModelService", models)]
+        if cfg.admin_port is None:
+            main.append(("AdminService", admin))
+        self.server, self.grpc_address = await self._listen(main, cfg.host, cfg.port, self.tls)
+        self.admin_server = self.health_server = None
+        if cfg.admin_port is not None:
+            self.admin_server, self.admin_address = await self._listen(
+                [("AdminService", admin)], cfg.admin_host, cfg.admin_port, self.tls
+            )
+        if cfg.health_port is not None:  # health only: no key, no data, so plaintext is acceptable
+            self.health_server, self.health_address = await self._listen(
+                [], cfg.health_host, cfg.health_port, None
+            )
         self._metrics_server, self.metrics_address = serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         self.plane_task = asyncio.create_task(self.plane.run(), name="control-plane")
         self.plane_task.add_done_callback(self._plane_ended)
@@ -181,13 +201,44 @@ class Coordinator:
         self.failed = True
         self._membership_changed()
 
+    async def _listen(
+        self, services: list[tuple[str, Any]], host: str, port: int, tls: ServerTls | None
+    ) -> tuple[grpc.aio.Server, str]:
+        """A started gRPC server with `services` (serving.proto name, servicer), health and reflection.
+
+        Health is open (probes carry no key). Reflection describes only the public schema of this
+        listener's services: no worker address, no request, no key."""
+        limit = self.config.max_request_bytes * _GRPC_RECEIVE_FACTOR
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit)])
+        health_service = health_pb2.DESCRIPTOR.services_by_name["Health"]
+        add_service(server, health_service, health_pb2, self.health, self.metrics)
+        names = [health_service.full_name, reflection.SERVICE_NAME]
+        for name, servicer in services:
+            service = serving_pb2.DESCRIPTOR.services_by_name[name]
+            add_service(server, service, serving_pb2, servicer, self.metrics)
+            names.append(service.full_name)
+        reflection.enable_server_reflection(names, server)
+        address = f"{host}:{port}"
+        bound = (
+            server.add_insecure_port(address)
+            if tls is None
+            else server.add_secure_port(address, tls.credentials())
+        )
+        await server.start()
+        return server, f"{host}:{bound}"
+
     def ready_info(self) -> dict[str, str]:
-        return {
+        info = {
             "role": "coordinator",
             "grpc_address": self.grpc_address,
             "control_address": self.control_address,
             "metrics_address": self.metrics_address,
         }
+        if self.admin_address:
+            info["admin_address"] = self.admin_address
+        if self.health_address:
+            info["health_address"] = self.health_address
+        return info
 
     def _membership_changed(self) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_health())
@@ -223,6 +274,9 @@ class Coordinator:
 
     async def stop(self) -> None:
         await self.server.stop(grace=1.0)
+        for server in (self.admin_server, self.health_server):
+            if server is not None:
+                await server.stop(grace=1.0)
         self.plane_task.cancel()
         await asyncio.gather(self.plane_task, return_exceptions=True)
         self.socket.close()

@@ -4,8 +4,11 @@ It is the only code that moves a request between workers or ends it early, and i
 rule: bump the record's generation first, then tell the old owners (Abort), then place the new
 generation. Outputs of older generations are dropped by the request table from then on.
 
-    submit       table.insert (ALREADY_EXISTS) -> queue (QUEUE_FULL) -> pump
-    pump         parked requests first (their prefill is running), then the queue in order
+    submit       never-fitting prompt (PROMPT_TOO_LONG) -> table.insert (ALREADY_EXISTS) -> queue
+                 (QUEUE_FULL) -> pump
+    pump         parked requests first (their prefill is running), then the queue in order; a request
+                 that cannot be placed now does not hold the ones behind it (backfill), and one that
+                 no registered decode pool could ever hold fails with the limit
     ReserveFailed   park the request (P keeps its result under a lease) until a decode worker has room,
                     then Decode to the new D and Reassign to P; generation unchanged
     resume       preemption, lost worker, lease or transfer failure, output gap: new generation back
@@ -27,7 +30,7 @@ import structlog
 
 from coordinator.admission import AdmittedRequest
 from coordinator.admission_queue import AdmissionQueue
-from coordinator.errors import RpcError, unavailable
+from coordinator.errors import RpcError, invalid, unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import EndEvent, RequestRecord, RequestState, RequestTable
 from coordinator.router import Placement, Router
@@ -39,6 +42,8 @@ from splitserve.v1 import control_pb2
 log = structlog.get_logger(__name__)
 
 Post = Callable[[str, control_pb2.Envelope], None]
+# queued requests one pump tries past the first that cannot be placed now (bounds the pump's work)
+BACKFILL_SCAN = 32
 AbortReason = control_pb2.AbortReason
 Reason: TypeAlias = control_pb2.AbortReason.ValueType
 
@@ -80,6 +85,9 @@ class Dispatcher:
                 f"model {admitted.model.name!r} has no ready prefill and decode worker yet; retry shortly",
                 retry_after_s=self.retry_after_s,
             )
+        refusal = self._never_fits(len(admitted.prompt_token_ids))
+        if refusal is not None:  # before any record or reservation exists
+            raise refusal
         record = self.table.insert(admitted)
         try:
             self.queue.push(record)
@@ -100,18 +108,44 @@ class Dispatcher:
             if decode is not None:
                 del self.parked[waiting.rid]
                 self._reassign(waiting, decode.worker_id)
-        while (record := self.queue.peek()) is not None:
-            placement = self.router.place(record.admitted.prompt_token_ids + record.output_token_ids)
-            if placement is None:
+        blocked = 0
+        for record in self.queue.ordered():
+            if blocked > BACKFILL_SCAN:
                 break
-            self.queue.pop()
-            self._dispatch(record, placement)
+            sequence = record.admitted.prompt_token_ids + record.output_token_ids
+            placement = self.router.place(sequence)
+            if placement is not None:
+                self.queue.remove(record)
+                self._dispatch(record, placement)
+            elif (refusal := self._never_fits(len(sequence))) is not None:  # the pool shrank
+                self.cancel(record, AbortReason.ABORT_REASON_WORKER_ERROR, EndEvent(refusal))
+            else:
+                blocked += 1
         if (len(self.queue) or self.parked) and not self.registry.can_serve():
             for record in self.queue.drain_all() + list(self.parked.values()):
                 self._fail_unplaceable(record)
         self.metrics.queue_depth.set(len(self.queue))
 
     # -- placement -----------------------------------------------------------------------------------
+    def _never_fits(self, num_tokens: int) -> RpcError | None:
+        """INVALID_ARGUMENT PROMPT_TOO_LONG naming the limit when no registered decode pool could
+        ever hold `num_tokens` (waiting would block until the deadline, or forever)."""
+        found = self.router.largest_pool_refusal(num_tokens)
+        if found is None:
+            return None
+        needed, pool = found
+        blocks, size = pool.register.num_blocks, pool.block_size
+        return invalid(
+            "prompt",
+            f"the prompt needs {needed} KV blocks of {size} tokens ({num_tokens} tokens), but the largest "
+            f"decode worker holds {blocks} blocks ({blocks * size} tokens) in all; shorten the prompt",
+            reason="PROMPT_TOO_LONG",
+            prompt_tokens=num_tokens,
+            needed_blocks=needed,
+            largest_pool_blocks=blocks,
+            block_size=size,
+        )
+
     def _num_tokens(self, record: RequestRecord) -> int:
         """Tokens of the sequence a decode worker must hold: as dispatched to the current
         generation's prefill worker (tokens streamed since are not in its KV), else as it stands."""

@@ -5,6 +5,9 @@ fix, the details start with an `ErrorInfo` (domain "splitserve", reason = the `E
 its prefix, metadata = the numbers involved), then a `BadRequest` naming each offending field and a
 `RetryInfo` where a retry can help. Raised by admission, the request table and the dispatcher; turned
 into the call's status by the servicers (`to_status`).
+
+No status echoes unbounded client input: every message and metadata value is cut to a bounded prefix
+here (`MAX_MESSAGE_CHARS`, `MAX_ECHO_CHARS`), and call sites quote client strings through `clip`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,16 @@ from grpc_status import rpc_status
 from splitserve.v1 import serving_pb2
 
 DOMAIN = "splitserve"
+MAX_ECHO_CHARS = 64  # of one client-supplied value quoted in a message or metadata
+MAX_MESSAGE_CHARS = 1024
+
+
+def clip(value: object, limit: int = MAX_ECHO_CHARS) -> str:
+    """`value` as text, cut to `limit` characters with a marker saying how long it was."""
+    text = str(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}...({len(text)} chars)"
 
 
 class RpcError(Exception):
@@ -37,12 +50,13 @@ class RpcError(Exception):
     ) -> None:
         if reason is not None:
             serving_pb2.ErrorReason.Value("ERROR_REASON_" + reason)  # ValueError on a typo
+        message = clip(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.code = code
         self.reason = reason
         self.message = message
         self.field = field
-        self.metadata = {k: str(v) for k, v in (metadata or {}).items()}
+        self.metadata = {k: clip(v) for k, v in (metadata or {}).items()}
         self.retry_after_s = retry_after_s
 
     def status_proto(self) -> status_pb2.Status:

@@ -8,7 +8,7 @@ Module-level imports stay light: the heavy ones happen in `run`.
 from __future__ import annotations
 
 import argparse
-import os
+import sys
 from typing import TYPE_CHECKING
 
 from splitserve.control_flags import add_control_security_arguments
@@ -29,10 +29,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port", type=int, default=9100, help="Prometheus /metrics port (0 = any free)"
     )
+    _add_key_flags(parser, "api", "accepted API key(s); none = every caller is one anonymous principal")
+    _add_key_flags(parser, "admin", "AdminService key(s); none = AdminService disabled")
     parser.add_argument(
-        "--api-key-env",
-        default="SPLITSERVE_API_KEY",
-        help="environment variable holding the accepted API key(s), comma-separated; unset = no auth",
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve AdminService on its own listener (0 = any free) instead of the main gRPC port",
+    )
+    parser.add_argument("--admin-host", default="127.0.0.1", help="listen host of --admin-port")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mTLS)"
+    )
+    parser.add_argument(
+        "--insecure-grpc",
+        action="store_true",
+        help="allow plaintext gRPC on a non-loopback --host/--admin-host (unencrypted, spoofable)",
+    )
+    parser.add_argument(
+        "--health-port",
+        type=int,
+        default=None,
+        help="also serve grpc.health.v1 alone, plaintext, on this port (kubelet gRPC probes; 0 = any)",
+    )
+    parser.add_argument("--health-host", default="127.0.0.1", help="listen host of --health-port")
+    parser.add_argument(
+        "--allow-request-chat-template",
+        action="store_true",
+        help="let requests replace the model's chat template (template.kwargs.chat_template)",
+    )
+    parser.add_argument(
+        "--chat-template-timeout-ms",
+        type=float,
+        default=2000.0,
+        help="render time limit of one chat template (the call's deadline applies too)",
+    )
+    parser.add_argument(
+        "--max-rendered-chars", type=int, default=1 << 20, help="largest rendered chat prompt, in characters"
+    )
+    parser.add_argument(
+        "--chat-template-threads", type=int, default=2, help="threads rendering chat templates concurrently"
     )
     parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
@@ -52,15 +90,62 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_key_flags(parser: argparse.ArgumentParser, kind: str, what: str) -> None:
+    """--KIND-key, --KIND-key-env and --KIND-key-file; all three are read (see auth.read_key_entries)."""
+    parser.add_argument(
+        f"--{kind}-key",
+        default="",
+        help=f"{what}, comma-separated, each a key or sha256:<hex> of one (the command line is visible "
+        "to local users: prefer sha256 entries, the environment variable or the key file)",
+    )
+    parser.add_argument(
+        f"--{kind}-key-env",
+        default=f"SPLITSERVE_{kind.upper()}_KEY",
+        help=f"environment variable holding more {kind} key entries, comma-separated",
+    )
+    parser.add_argument(f"--{kind}-key-file", default=None, help=f"file of {kind} key entries, one a line")
+
+
+def _keys(inline: str, env_var: str, path: str | None) -> tuple[str, ...]:
+    from coordinator.auth import read_key_entries
+
+    return read_key_entries(inline, env_var, [path] if path else [])
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
-    from coordinator.app import CoordinatorConfig
+    import structlog
+
     from splitserve.logs import configure_logging
 
     configure_logging(role="coordinator")
-    keys = tuple(k.strip() for k in os.environ.get(args.api_key_env, "").split(",") if k.strip())
-    config = CoordinatorConfig(
+    log = structlog.get_logger("coordinator")
+    try:
+        keys = _keys(args.api_key, args.api_key_env, args.api_key_file)
+        admin_keys = _keys(args.admin_key, args.admin_key_env, args.admin_key_file)
+        config = _config(args, keys, admin_keys)
+    except (ValueError, OSError) as exc:  # a flag to fix: say which, exit 2 like argparse
+        print(f"splitserve coordinator: error: {exc}", file=sys.stderr)
+        return 2
+    if not keys:
+        log.warning("no API key configured: every caller is one anonymous principal and sees its requests")
+    return asyncio.run(_serve(config))
+
+
+def _config(
+    args: argparse.Namespace, keys: tuple[str, ...], admin_keys: tuple[str, ...]
+) -> CoordinatorConfig:
+    from coordinator.app import CoordinatorConfig
+    from coordinator.chat import TemplateLimits
+
+    templates = TemplateLimits(
+        allow_request_template=args.allow_request_chat_template,
+        render_timeout_s=args.chat_template_timeout_ms / 1e3,
+        max_rendered_chars=args.max_rendered_chars,
+        render_threads=args.chat_template_threads,
+    )
+    return CoordinatorConfig(
         model=args.model,
         served_model_name=args.served_model_name,
         host=args.host,
@@ -69,6 +154,16 @@ def run(args: argparse.Namespace) -> int:
         control_port=args.control_port,
         metrics_port=args.metrics_port,
         api_keys=keys,
+        admin_keys=admin_keys,
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        insecure_grpc=args.insecure_grpc,
+        health_host=args.health_host,
+        health_port=args.health_port,
+        templates=templates,
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,
         heartbeat_interval_ms=args.heartbeat_interval_ms,
@@ -78,7 +173,6 @@ def run(args: argparse.Namespace) -> int:
         control_authorized_keys=args.control_authorized_keys,
         insecure_control_plane=bool(args.insecure_control_plane),
     )
-    return asyncio.run(_serve(config))
 
 
 async def _serve(config: CoordinatorConfig) -> int:

@@ -12,7 +12,8 @@ A record is created when admission passes (`insert`) and leaves the table when t
     GAP                   an offset past the next expected position: an error the caller recovers from
     accepted              new tokens go to the record's event queue, in order
 
-The gRPC stream handler owns the consuming end of `events`; nothing else reads it.
+The gRPC stream handler owns the consuming end of `events`; nothing else reads it. Client request ids
+are scoped per principal (`find`, `insert`): a principal never learns of another's request.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import grpc
 import structlog
 
 from coordinator.admission import AdmittedRequest
-from coordinator.errors import RpcError
+from coordinator.auth import Principal
+from coordinator.errors import RpcError, clip
 from coordinator.metrics import CoordinatorMetrics
 from splitserve.v1 import control_pb2, serving_pb2
 from splitserve.wire import ids_array, unpack_ids
@@ -118,7 +120,8 @@ class RequestTable:
         # rids start from the start time in microseconds, so a restarted coordinator never reuses one
         self._next_rid = rid_start if rid_start is not None else time.time_ns() // 1000
         self._by_rid: dict[int, RequestRecord] = {}
-        self._by_request_id: dict[str, RequestRecord] = {}
+        # request ids are the client's and scoped per principal: (principal id, request_id)
+        self._by_request_id: dict[tuple[str, str], RequestRecord] = {}
         self.metrics = metrics
         self.late_outputs_dropped = 0
         self._empty = asyncio.Event()
@@ -133,23 +136,26 @@ class RequestTable:
     def get(self, rid: int) -> RequestRecord | None:
         return self._by_rid.get(rid)
 
-    def find(self, request_id: str) -> RequestRecord | None:
-        return self._by_request_id.get(request_id)
+    def find(self, principal: Principal, request_id: str) -> RequestRecord | None:
+        """`principal`'s in-flight request `request_id`; another principal's is None, as if absent."""
+        return self._by_request_id.get((principal.id, request_id))
 
     def insert(self, admitted: AdmittedRequest) -> RequestRecord:
-        """A new record with a fresh rid; ALREADY_EXISTS while a request with its request_id is in flight."""
-        if admitted.request_id in self._by_request_id:
+        """A new record with a fresh rid; ALREADY_EXISTS while the same principal has a request with
+        its request_id in flight."""
+        key = (admitted.principal.id, admitted.request_id)
+        if key in self._by_request_id:
             raise RpcError(
                 grpc.StatusCode.ALREADY_EXISTS,
                 "DUPLICATE_REQUEST_ID",
-                f"a request with request_id {admitted.request_id!r} is already in flight; "
+                f"a request with request_id {clip(admitted.request_id)!r} is already in flight; "
                 "use a new request_id or wait for it to finish",
                 metadata={"request_id": admitted.request_id},
             )
         self._next_rid += 1
         record = RequestRecord(rid=self._next_rid, admitted=admitted)
         self._by_rid[record.rid] = record
-        self._by_request_id[admitted.request_id] = record
+        self._by_request_id[key] = record
         self.metrics.active_requests.set(len(self._by_rid))
         self._empty.clear()
         return record
@@ -171,8 +177,9 @@ class RequestTable:
             return
         record.ended = True
         self._by_rid.pop(record.rid, None)
-        if self._by_request_id.get(record.admitted.request_id) is record:
-            del self._by_request_id[record.admitted.request_id]
+        key = (record.admitted.principal.id, record.admitted.request_id)
+        if self._by_request_id.get(key) is record:
+            del self._by_request_id[key]
         self.metrics.active_requests.set(len(self._by_rid))
         if not self._by_rid:
             self._empty.set()

@@ -122,6 +122,16 @@ class Router:
                 return Placement(prefill, decode, cached, len(token_ids) - cached, ttft, needed)
         return None
 
+    def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
+        """(blocks needed, the largest registered decode-capable pool) when no such pool, of any
+        health, could ever hold a sequence of `num_tokens` even when empty; None when one could (or
+        when none is registered: that is MODEL_NOT_READY, not a limit)."""
+        pools = [w for w in self.registry if w.does_decode]
+        if not pools or any(blocks_for(num_tokens, w.block_size) <= w.register.num_blocks for w in pools):
+            return None
+        largest = max(pools, key=lambda w: (w.register.num_blocks * w.block_size, w.worker_id))
+        return blocks_for(num_tokens, largest.block_size), largest
+
     def commit(self, placement: Placement) -> None:
         placement.prefill.pending_tokens += placement.uncached_tokens
         placement.decode.pending_blocks += placement.needed_blocks

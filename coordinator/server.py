@@ -16,9 +16,10 @@ import grpc
 import structlog
 
 from coordinator.admission import Admission, AdmittedRequest
+from coordinator.auth import Authenticator, bearer_from_metadata
 from coordinator.control_loop import ControlPlane
 from coordinator.dispatch import Dispatcher
-from coordinator.errors import RpcError, empty_prompt
+from coordinator.errors import RpcError, clip, empty_prompt
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.output import OutputAssembler
 from coordinator.request_table import EndEvent, OutputEvent, RequestRecord
@@ -120,12 +121,14 @@ class InferenceServicer(serving_pb2_grpc.InferenceServiceServicer):
             if request.WhichOneof("input") == "chat":
                 if not request.chat.messages:
                     raise empty_prompt("chat.messages", "chat.messages is empty: send at least one message")
-                chat = await self.admission.tokenizer.render_chat(request.chat.messages, request.template)
+                chat = await self.admission.tokenizer.render_chat(
+                    request.chat.messages, request.template, context.time_remaining()
+                )
                 return serving_pb2.TokenizeResponse(token_ids=chat.token_ids, rendered_prompt=chat.text)
             if not request.text:
                 raise empty_prompt("text", "nothing to tokenize: set a non-empty text or chat")
             add_special = request.add_special_tokens if request.HasField("add_special_tokens") else True
-            ids = await self.admission.tokenizer.encode(request.text, add_special)
+            ids = await self.admission.tokenizer.encode(request.text, add_special, context.time_remaining())
             return serving_pb2.TokenizeResponse(token_ids=ids)
         except RpcError as err:
             await reject(context, err, self.metrics)
@@ -147,13 +150,14 @@ class InferenceServicer(serving_pb2_grpc.InferenceServiceServicer):
         self, request: serving_pb2.AbortRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> serving_pb2.AbortResponse:
         try:
-            self.admission.authenticate(context.invocation_metadata())
-            record = self.dispatcher.table.find(request.request_id)
+            principal = self.admission.authenticate(context.invocation_metadata())
+            # another principal's request is reported exactly like one that does not exist
+            record = self.dispatcher.table.find(principal, request.request_id)
             if record is None:
                 raise RpcError(
                     grpc.StatusCode.NOT_FOUND,
                     "REQUEST_NOT_FOUND",
-                    f"no request with request_id {request.request_id!r} is in flight",
+                    f"no request with request_id {clip(request.request_id)!r} is in flight",
                     metadata={"request_id": request.request_id},
                 )
         except RpcError as err:
@@ -193,8 +197,11 @@ class ModelServicer(serving_pb2_grpc.ModelServiceServicer):
 
 
 class AdminServicer(serving_pb2_grpc.AdminServiceServicer):
-    def __init__(self, admission: Admission, plane: ControlPlane, metrics: CoordinatorMetrics) -> None:
-        self.admission = admission
+    """Operator introspection, the only service that shows worker addresses: admin key only
+    (`Authenticator.authorize_admin`), disabled while no admin key is configured."""
+
+    def __init__(self, auth: Authenticator, plane: ControlPlane, metrics: CoordinatorMetrics) -> None:
+        self.auth = auth
         self.plane = plane
         self.metrics = metrics
 
@@ -202,7 +209,7 @@ class AdminServicer(serving_pb2_grpc.AdminServiceServicer):
         self, request: serving_pb2.GetPoolStateRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> serving_pb2.GetPoolStateResponse:
         try:
-            self.admission.authenticate(context.invocation_metadata())
+            self.auth.authorize_admin(bearer_from_metadata(context.invocation_metadata()))
         except RpcError as err:
             await reject(context, err, self.metrics)
         replies: dict[str, control_pb2.PoolStateReply] = {}

@@ -5,6 +5,9 @@
             ...
         result = await client.complete_chat([{"role": "user", "content": "Hi"}])
 
+TLS: pass `tls=ClientTls(ca=..., cert=..., key=...)` (a cert/key pair for mTLS). Without it the
+channel is plaintext, which the client allows only to a loopback target unless `insecure=True`.
+Inference calls carry `api_key`, AdminService calls (`pool_state`) the separate `admin_key`.
 `generate`/`chat` yield the server's response messages as they stream; `complete`/`complete_chat`
 collect one stream into a `Completion`. Errors surface as `grpc.aio.AioRpcError` with the server's
 status code and message.
@@ -18,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from coordinator.tls import ClientTls, host_of, is_loopback
 from splitserve.v1 import serving_pb2, serving_pb2_grpc
 
 Message = dict[str, str]
@@ -67,12 +71,30 @@ def sampling_params(**kw: Any) -> tuple[serving_pb2.SamplingParams, serving_pb2.
 class Client:
     """Owns one gRPC channel; close it with `close()` or `async with`."""
 
-    def __init__(self, target: str, *, api_key: str | None = None, model: str = "") -> None:
-        self.channel = grpc.aio.insecure_channel(target)
+    def __init__(
+        self,
+        target: str,
+        *,
+        api_key: str | None = None,
+        admin_key: str | None = None,
+        model: str = "",
+        tls: ClientTls | None = None,
+        insecure: bool = False,
+    ) -> None:
+        if tls is not None:
+            self.channel = grpc.aio.secure_channel(target, tls.credentials())
+        elif insecure or is_loopback(host_of(target)):
+            self.channel = grpc.aio.insecure_channel(target)
+        else:
+            raise ValueError(
+                f"refusing a plaintext channel to {target!r} (not loopback): pass a CA for TLS "
+                "(--tls-ca) or insecure=True (--insecure) to send keys and prompts unencrypted"
+            )
         self.inference = serving_pb2_grpc.InferenceServiceStub(self.channel)
         self.models = serving_pb2_grpc.ModelServiceStub(self.channel)
         self.admin = serving_pb2_grpc.AdminServiceStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.admin_metadata = (("authorization", f"Bearer {admin_key}"),) if admin_key else ()
         self.model = model
 
     async def __aenter__(self) -> Client:
@@ -142,5 +164,5 @@ class Client:
 
     async def pool_state(self, fresh: bool = True) -> serving_pb2.GetPoolStateResponse:
         return await self.admin.GetPoolState(
-            serving_pb2.GetPoolStateRequest(fresh=fresh), metadata=self.metadata
+            serving_pb2.GetPoolStateRequest(fresh=fresh), metadata=self.admin_metadata
         )

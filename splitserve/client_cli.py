@@ -7,6 +7,7 @@ import asyncio
 import os
 import sys
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 
@@ -21,11 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
     parser.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle to verify the server: use TLS")
+    parser.add_argument("--tls-cert", default=None, help="PEM client certificate (mTLS), with --tls-key")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--insecure", action="store_true", help="plaintext to a non-loopback target (unencrypted)"
+    )
 
 
 async def _stream(args: argparse.Namespace) -> int:
     import grpc
 
+    from coordinator.tls import ClientTls
     from splitserve.client import Client, Completion
 
     params = {
@@ -36,7 +44,21 @@ async def _stream(args: argparse.Namespace) -> int:
         "stop": args.stop,
     }
     completion = Completion()
-    async with Client(args.target, api_key=os.environ.get("SPLITSERVE_API_KEY"), model=args.model) as client:
+    try:
+        tls = None
+        if args.tls_ca or args.tls_cert:
+            tls = ClientTls(*(Path(p) if p else None for p in (args.tls_ca, args.tls_cert, args.tls_key)))
+        client = Client(
+            args.target,
+            api_key=os.environ.get("SPLITSERVE_API_KEY"),
+            model=args.model,
+            tls=tls,
+            insecure=args.insecure,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    async with client:
         stream: AsyncIterator[Any]
         if args.command == "chat":
             messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

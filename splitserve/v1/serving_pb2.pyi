@@ -142,7 +142,9 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_EMPTY_PROMPT: _ErrorReason.ValueType  # 6
     """The prompt (text, token ids or chat messages) is empty (INVALID_ARGUMENT)."""
     ERROR_REASON_PROMPT_TOO_LONG: _ErrorReason.ValueType  # 7
-    """The prompt alone does not fit the context (INVALID_ARGUMENT)."""
+    """The prompt alone does not fit the context, or no registered decode worker's KV pool could ever
+    hold it (INVALID_ARGUMENT; the metadata names the limit).
+    """
     ERROR_REASON_CONTEXT_LENGTH_EXCEEDED: _ErrorReason.ValueType  # 8
     """Prompt tokens + max_tokens exceed the context (INVALID_ARGUMENT)."""
     ERROR_REASON_REQUEST_TOO_LARGE: _ErrorReason.ValueType  # 9
@@ -150,17 +152,33 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     ERROR_REASON_CHAT_TEMPLATE_FAILED: _ErrorReason.ValueType  # 10
     """The chat template failed to render the messages (INVALID_ARGUMENT)."""
     ERROR_REASON_DUPLICATE_REQUEST_ID: _ErrorReason.ValueType  # 11
-    """A request with this request_id is already in flight (ALREADY_EXISTS)."""
+    """A request with this request_id is already in flight for this API key (ALREADY_EXISTS)."""
     ERROR_REASON_QUEUE_FULL: _ErrorReason.ValueType  # 12
     """The admission queue is full; a google.rpc.RetryInfo says when to retry (RESOURCE_EXHAUSTED)."""
     ERROR_REASON_REQUEST_NOT_FOUND: _ErrorReason.ValueType  # 13
-    """Abort named a request_id that is not in flight (NOT_FOUND)."""
+    """Abort named a request_id that this API key has not in flight (NOT_FOUND; another key's
+    request is reported exactly like one that does not exist).
+    """
     ERROR_REASON_SHUTTING_DOWN: _ErrorReason.ValueType  # 14
     """The server is draining and admits no new requests (UNAVAILABLE)."""
     ERROR_REASON_WORKER_LOST: _ErrorReason.ValueType  # 15
     """A worker holding the request failed and the request could not be resumed (UNAVAILABLE)."""
     ERROR_REASON_INTERNAL: _ErrorReason.ValueType  # 16
     """A bug; the message says what failed (INTERNAL)."""
+    ERROR_REASON_ADMIN_DISABLED: _ErrorReason.ValueType  # 17
+    """AdminService is disabled because no admin key is configured (PERMISSION_DENIED)."""
+    ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 18
+    """The key is valid but not for this service, e.g. an inference key on AdminService
+    (PERMISSION_DENIED).
+    """
+    ERROR_REASON_CHAT_TEMPLATE_NOT_ALLOWED: _ErrorReason.ValueType  # 19
+    """The request sets `chat_template` but the server does not allow request templates
+    (INVALID_ARGUMENT).
+    """
+    ERROR_REASON_MALFORMED_REQUEST: _ErrorReason.ValueType  # 20
+    """The request bytes are not a valid protobuf message of the method's request type
+    (INVALID_ARGUMENT).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Machine-readable reason of a rejected call. Sent as google.rpc.ErrorInfo.reason (the value's name
@@ -185,7 +203,9 @@ google.rpc.BadRequest names each field (INVALID_ARGUMENT).
 ERROR_REASON_EMPTY_PROMPT: ErrorReason.ValueType  # 6
 """The prompt (text, token ids or chat messages) is empty (INVALID_ARGUMENT)."""
 ERROR_REASON_PROMPT_TOO_LONG: ErrorReason.ValueType  # 7
-"""The prompt alone does not fit the context (INVALID_ARGUMENT)."""
+"""The prompt alone does not fit the context, or no registered decode worker's KV pool could ever
+hold it (INVALID_ARGUMENT; the metadata names the limit).
+"""
 ERROR_REASON_CONTEXT_LENGTH_EXCEEDED: ErrorReason.ValueType  # 8
 """Prompt tokens + max_tokens exceed the context (INVALID_ARGUMENT)."""
 ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason.ValueType  # 9
@@ -193,17 +213,33 @@ ERROR_REASON_REQUEST_TOO_LARGE: ErrorReason.ValueType  # 9
 ERROR_REASON_CHAT_TEMPLATE_FAILED: ErrorReason.ValueType  # 10
 """The chat template failed to render the messages (INVALID_ARGUMENT)."""
 ERROR_REASON_DUPLICATE_REQUEST_ID: ErrorReason.ValueType  # 11
-"""A request with this request_id is already in flight (ALREADY_EXISTS)."""
+"""A request with this request_id is already in flight for this API key (ALREADY_EXISTS)."""
 ERROR_REASON_QUEUE_FULL: ErrorReason.ValueType  # 12
 """The admission queue is full; a google.rpc.RetryInfo says when to retry (RESOURCE_EXHAUSTED)."""
 ERROR_REASON_REQUEST_NOT_FOUND: ErrorReason.ValueType  # 13
-"""Abort named a request_id that is not in flight (NOT_FOUND)."""
+"""Abort named a request_id that this API key has not in flight (NOT_FOUND; another key's
+request is reported exactly like one that does not exist).
+"""
 ERROR_REASON_SHUTTING_DOWN: ErrorReason.ValueType  # 14
 """The server is draining and admits no new requests (UNAVAILABLE)."""
 ERROR_REASON_WORKER_LOST: ErrorReason.ValueType  # 15
 """A worker holding the request failed and the request could not be resumed (UNAVAILABLE)."""
 ERROR_REASON_INTERNAL: ErrorReason.ValueType  # 16
 """A bug; the message says what failed (INTERNAL)."""
+ERROR_REASON_ADMIN_DISABLED: ErrorReason.ValueType  # 17
+"""AdminService is disabled because no admin key is configured (PERMISSION_DENIED)."""
+ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 18
+"""The key is valid but not for this service, e.g. an inference key on AdminService
+(PERMISSION_DENIED).
+"""
+ERROR_REASON_CHAT_TEMPLATE_NOT_ALLOWED: ErrorReason.ValueType  # 19
+"""The request sets `chat_template` but the server does not allow request templates
+(INVALID_ARGUMENT).
+"""
+ERROR_REASON_MALFORMED_REQUEST: ErrorReason.ValueType  # 20
+"""The request bytes are not a valid protobuf message of the method's request type
+(INVALID_ARGUMENT).
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final

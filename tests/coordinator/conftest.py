@@ -106,19 +106,38 @@ def make_admitted(
     )
 
 
+ADMIN_KEY = "admin-test"
+
+
+class WithMetadata(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds fixed metadata (an API key) to every unary call of a channel."""
+
+    def __init__(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.metadata = metadata
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        details = details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+        return await continuation(details, request)
+
+
 class Cluster:
     """A started coordinator, a gRPC channel to it, and a factory of scripted workers (each with its
-    own control key, allow-listed for its role in `keys`)."""
+    own control key, allow-listed for its role in `keys`). `admin` calls carry the admin key (the
+    fixture configures ADMIN_KEY unless a test overrides admin_keys)."""
 
     def __init__(self, app: Coordinator, model: ServedModel, keys: KeySet) -> None:
         self.app = app
         self.model = model
         self.keys = keys
         self.channel = grpc.aio.insecure_channel(app.grpc_address)
+        admin_md = (("authorization", f"Bearer {ADMIN_KEY}"),)
+        self.admin_channel = grpc.aio.insecure_channel(
+            app.admin_address or app.grpc_address, interceptors=[WithMetadata(admin_md)]
+        )
         self.zmq = zmq.asyncio.Context()
         self.workers: list[ScriptedWorker] = []
         self.inference = serving_pb2_grpc.InferenceServiceStub(self.channel)
-        self.admin = serving_pb2_grpc.AdminServiceStub(self.channel)
+        self.admin = serving_pb2_grpc.AdminServiceStub(self.admin_channel)
 
     def worker(self, worker_id: str, role: str, **kwargs: Any) -> ScriptedWorker:
         if worker_id not in self.keys.workers:
@@ -137,6 +156,7 @@ class Cluster:
 
     async def close(self) -> None:
         await self.channel.close()
+        await self.admin_channel.close()
         for w in self.workers:
             w.close()
         self.zmq.term()
@@ -156,6 +176,7 @@ async def start_cluster(
             "heartbeat_timeout_ms": 5000,
             "control_key": str(keys.coordinator_secret),
             "control_authorized_keys": str(keys.authorized_dir),
+            "admin_keys": (ADMIN_KEY,),
         } | overrides
         config = CoordinatorConfig(model="tiny", port=0, control_port=0, metrics_port=0, **settings)
         app = Coordinator(config, model=served_model)

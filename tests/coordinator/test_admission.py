@@ -12,6 +12,7 @@ import grpc
 import pytest
 
 from coordinator.admission import DEFAULT_MAX_TOKENS, Admission, AdmittedRequest
+from coordinator.auth import Authenticator, KeyRing
 from coordinator.chat import TokenizerThread
 from coordinator.errors import RpcError
 from coordinator.served_model import ServedModel
@@ -24,7 +25,8 @@ INVALID, KEY = grpc.StatusCode.INVALID_ARGUMENT, [("authorization", "Bearer sesa
 @pytest.fixture
 async def admission(served_model: ServedModel) -> AsyncIterator[Admission]:
     tokenizer = TokenizerThread(served_model.tokenizer)
-    yield Admission(served_model, tokenizer, api_keys=["sesame"], max_request_bytes=4096)
+    auth = Authenticator(KeyRing.parse(["sesame"]))
+    yield Admission(served_model, tokenizer, auth=auth, max_request_bytes=4096)
     tokenizer.close()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from coordinator.auth import ANONYMOUS
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import RpcError
 from coordinator.metrics import CoordinatorMetrics
@@ -82,7 +83,8 @@ def test_queue_is_bounded_and_ordered_by_priority_then_arrival(
         dispatcher.submit(make_admitted(pool.model, request_id="c"))
     assert (caught.value.code, caught.value.reason) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "QUEUE_FULL")
     assert (
-        caught.value.metadata == {"queue_depth": "2", "max_queue": "2"} and dispatcher.table.find("c") is None
+        caught.value.metadata == {"queue_depth": "2", "max_queue": "2"}
+        and dispatcher.table.find(ANONYMOUS, "c") is None
     )
     assert sent == [] and len(dispatcher.queue) == 2
     pool.report("d", free=1)  # room for exactly one small request
@@ -164,3 +166,19 @@ def test_queued_requests_fail_when_the_pool_vanishes(
     end = record.events.get_nowait()
     assert isinstance(end, EndEvent) and end.error is not None and end.error.reason == "MODEL_NOT_READY"
     assert len(dispatcher.queue) == 0 and record.ended
+
+
+def test_a_queued_request_that_no_longer_fits_any_pool_fails_with_the_limit(
+    pool: Pool, dispatcher: Dispatcher
+) -> None:
+    pool.add("p", "prefill")
+    pool.add("big", "decode", num_blocks=64)
+    pool.add("small", "decode", num_blocks=1)
+    pool.report("big", free=0)
+    waiting = dispatcher.submit(make_admitted(pool.model, "word " * 30, request_id="w"))
+    assert waiting.state is RequestState.QUEUED
+    pool.registry.remove("big")
+    dispatcher.pump()
+    assert waiting.ended
+    event = waiting.events.get_nowait()
+    assert event.error is not None and event.error.reason == "PROMPT_TOO_LONG"  # type: ignore[union-attr]

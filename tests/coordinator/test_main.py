@@ -19,6 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from coordinator.auth import hash_entry
 from splitserve.control_auth import KeySet
 from splitserve.v1 import serving_pb2, serving_pb2_grpc
 
@@ -52,6 +53,7 @@ def test_process_prints_ready_and_drains_on_sigterm(
     args = ["--model", str(tiny_model_dir("llama-2l")), "--served-model-name", "tiny", "--port", "0"]
     args += ["--control-port", "0", "--metrics-port", "0", "--api-key-env", "TEST_COORDINATOR_KEY"]
     args += KeySet.create(tmp_path / "keys").coordinator_args()
+    args += ["--api-key", hash_entry("k3")]
     env = {**os.environ, "TEST_COORDINATOR_KEY": "k1,k2"}
     proc = subprocess.Popen(
         [sys.executable, "-c", LAUNCH, *args],
@@ -74,6 +76,10 @@ def test_process_prints_ready_and_drains_on_sigterm(
                 serving_pb2.ListModelsRequest(), metadata=[("authorization", "Bearer k2")]
             )
             assert [m.name for m in listed.models] == ["tiny"] and listed.models[0].context_length == 2048
+            hashed = models.ListModels(
+                serving_pb2.ListModelsRequest(), metadata=[("authorization", "Bearer k3")]
+            )
+            assert [m.name for m in hashed.models] == ["tiny"]  # a key given as its sha256 entry
             services = ProtoReflectionDescriptorDatabase(channel).get_services()  # what grpcurl uses
             assert {"splitserve.v1.InferenceService", "grpc.health.v1.Health"} <= set(services)
         with urllib.request.urlopen(f"http://{ready['metrics_address']}/metrics", timeout=10) as response:

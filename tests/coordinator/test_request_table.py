@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
+from coordinator.auth import ANONYMOUS
 from coordinator.errors import RpcError
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import EndEvent, Outcome, RequestRecord, RequestTable, TokenEvent
@@ -65,7 +66,7 @@ def test_rids_are_fresh_and_a_duplicate_request_id_in_flight_is_already_exists(
     assert (first.rid, other.rid) == (101, 102) and len(table) == 2
     table.end(first)
     again = table.insert(make_admitted(served_model, request_id="same"))  # no longer in flight
-    assert again.rid == 103 and table.find("same") is again and table.get(first.rid) is None
+    assert again.rid == 103 and table.find(ANONYMOUS, "same") is again and table.get(first.rid) is None
 
 
 def test_outputs_are_delivered_in_order_exactly_once(table: RequestTable, served_model: ServedModel) -> None:
@@ -103,7 +104,7 @@ def test_the_end_removes_the_record_and_nothing_after_it_is_delivered(
 ) -> None:
     record = placed(table, served_model)
     assert table.accept("d", tokens(record, 0, [10, 11], finish=EOS), from_prefill=False) is Outcome.FINISHED
-    assert record.ended and table.get(record.rid) is None and table.find("r") is None
+    assert record.ended and table.get(record.rid) is None and table.find(ANONYMOUS, "r") is None
     assert table.accept("d", tokens(record, 2, [12]), from_prefill=False) is Outcome.DROPPED
     assert [e.finish_reason for e in events(record) if isinstance(e, TokenEvent)] == [EOS]
     assert table.late_outputs_dropped == 1

@@ -435,3 +435,20 @@ def test_readme_kvbench_commands_parse_with_the_real_kvbench() -> None:
     for line in lines:
         argv = [re.sub(r'"?\$[A-Z_]+"?', "10.0.0.5", a).strip('"') for a in line.split()[1:]]
         parse_args(argv)  # exits (fails the test) on an unknown or missing flag
+
+
+def test_the_coordinator_serves_grpc_over_tls_from_a_cert_manager_secret(m: Manifests) -> None:
+    spec = pod_spec(m.deployment("coordinator"))
+    [c] = spec["containers"]
+    args = c["args"]
+    assert flag(args, "--host") == "0.0.0.0" and flag(args, "--insecure-grpc") is None
+    mounts = {v["name"]: v["mountPath"] for v in c["volumeMounts"]}
+    [tls] = [v for v in spec["volumes"] if "secret" in v and v["name"] in mounts]
+    assert tls["secret"]["secretName"] == "splitserve-grpc-tls"
+    assert flag(args, "--tls-cert") == f"{mounts[tls['name']]}/tls.crt"  # cert-manager's key names
+    assert flag(args, "--tls-key") == f"{mounts[tls['name']]}/tls.key"
+    # kubelet probes cannot speak TLS: they use the plaintext health-only listener
+    health = int(flag(args, "--health-port") or 0)
+    assert health and health != int(flag(args, "--port") or 0)
+    for probe in (c["startupProbe"], c["livenessProbe"], c["readinessProbe"]):
+        assert probe["grpc"]["port"] == health

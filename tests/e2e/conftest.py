@@ -15,6 +15,8 @@ from splitserve.v1 import serving_pb2
 from tests.hf_reference import HFGreedy
 
 API_KEY = "e2e-secret"
+ADMIN_KEY = "e2e-admin"
+KEYS_ENV = {"SPLITSERVE_API_KEY": API_KEY, "SPLITSERVE_ADMIN_KEY": ADMIN_KEY}
 
 
 def start_cluster(spec: ClusterSpec, tmp: Path) -> LocalCluster:
@@ -37,7 +39,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         prefill_workers=1,
         decode_workers=2,
         transfer_backend="ucx",
-        env={"SPLITSERVE_API_KEY": API_KEY},
+        env=dict(KEYS_ENV),
         prefill_args=["--max-num-batched-tokens", "96", "--block-size", "4"],
         decode_args=["--block-size", "4"],
     )
@@ -48,7 +50,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
 
 def client_for(cluster: LocalCluster, api_key: str | None = API_KEY) -> Client:
-    return Client(cluster.grpc_address, api_key=api_key)
+    return Client(cluster.grpc_address, api_key=api_key, admin_key=ADMIN_KEY)
 
 
 async def wait_quiescent(client: Client, timeout: float = 30.0) -> serving_pb2.GetPoolStateResponse:

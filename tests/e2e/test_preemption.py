@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.cluster import ClusterSpec, LocalCluster
-from tests.e2e.conftest import API_KEY, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-small-pool")
 
@@ -21,7 +21,7 @@ def small_pool_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     spec = ClusterSpec(
         model=str(model_dir),
         transfer_backend="tcp",
-        env={"SPLITSERVE_API_KEY": API_KEY},
+        env=dict(KEYS_ENV),
         prefill_args=["--block-size", "4"],
         decode_args=["--block-size", "4", "--num-gpu-blocks", "40"],
     )
