@@ -1,4 +1,4 @@
-"""The coordinator process's parts, wired together: gRPC server, control plane, metrics, health.
+"""The coordinator process's parts, wired together: gRPC and HTTP servers, control plane, metrics, health.
 
 `Coordinator(config).start()` binds everything (port 0 = OS-chosen; see `ready_info`), `drain()` stops
 admitting and waits for in-flight requests (bounded), `stop()` closes. Tests run it in-process;
@@ -24,6 +24,8 @@ from coordinator.chat import TokenizerThread
 from coordinator.control_loop import ControlPlane, Outbox
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import unavailable
+from coordinator.http.routes import OpenAIRoutes
+from coordinator.http.server import HttpServer
 from coordinator.metrics import CoordinatorMetrics, serve_metrics
 from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
@@ -54,6 +56,7 @@ class CoordinatorConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 5555
     metrics_port: int = 9100
+    http_port: int = 8000
     api_keys: tuple[str, ...] = ()
     max_queue: int = 256
     max_request_bytes: int = 1 << 20
@@ -69,7 +72,7 @@ class Coordinator:
         self.config = config
         self.model = model
         self.incarnation = secrets.randbits(63)
-        self.grpc_address = self.control_address = self.metrics_address = ""
+        self.grpc_address = self.control_address = self.metrics_address = self.http_address = ""
         self._tasks: set[asyncio.Task[Any]] = set()
         self._health_lock = asyncio.Lock()
 
@@ -134,6 +137,10 @@ class Coordinator:
         port = self.server.add_insecure_port(f"{cfg.host}:{cfg.port}")
         await self.server.start()
         self.grpc_address = f"{cfg.host}:{port}"
+        routes = OpenAIRoutes(self.admission, self.dispatcher, self.metrics)
+        # TLS seam: the SSLContext of the coordinator's TLS settings goes here (None = plaintext)
+        self.http = HttpServer(routes.app, cfg.host, cfg.http_port, ssl_context=None)
+        self.http_address = await self.http.start()
         self._metrics_server, self.metrics_address = serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         self.plane_task = asyncio.create_task(self.plane.run(), name="control-plane")
         log.info("coordinator started", model=self.model.name, **self.ready_info())
@@ -144,6 +151,7 @@ class Coordinator:
             "grpc_address": self.grpc_address,
             "control_address": self.control_address,
             "metrics_address": self.metrics_address,
+            "http_address": self.http_address,
         }
 
     def _membership_changed(self) -> None:
@@ -179,6 +187,7 @@ class Coordinator:
             await asyncio.wait_for(self.plane.outbox.flush(), 1.0)
 
     async def stop(self) -> None:
+        await self.http.stop()
         await self.server.stop(grace=1.0)
         self.plane_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):

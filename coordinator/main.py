@@ -1,6 +1,6 @@
-"""`splitserve coordinator`: the API process (gRPC + control plane + metrics) for one served model.
+"""`splitserve coordinator`: the API process (gRPC + OpenAI HTTP + control plane + metrics) for one model.
 
-Prints one `SPLITSERVE_READY {...}` line on stdout once gRPC, control and metrics are bound; drains on
+Prints one `SPLITSERVE_READY {...}` line on stdout once gRPC, HTTP, control and metrics are bound; drains on
 SIGTERM/SIGINT (stops admitting, lets in-flight requests finish within --drain-timeout) and exits 0.
 Module-level imports stay light: the heavy ones happen in `run`.
 """
@@ -20,12 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: dir name, 'tiny')"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC and metrics listen host")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC, HTTP and metrics listen host")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free)")
     parser.add_argument("--control-host", default="127.0.0.1", help="ZeroMQ control listen host")
     parser.add_argument("--control-port", type=int, default=5555, help="ZeroMQ control port (0 = any free)")
     parser.add_argument(
         "--metrics-port", type=int, default=9100, help="Prometheus /metrics port (0 = any free)"
+    )
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)"
     )
     parser.add_argument(
         "--api-key-env",
@@ -59,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
         control_host=args.control_host,
         control_port=args.control_port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         api_keys=keys,
         max_queue=args.max_queue,
         max_request_bytes=args.max_request_bytes,

@@ -54,17 +54,32 @@ async def stream_steps(
             if step.ended:
                 return
     finally:
-        if not record.ended:  # the consumer went away: client cancel, disconnect or deadline
-            remaining = time_remaining()
-            deadline = remaining is not None and remaining <= DEADLINE_SLACK_S
-            why = (
-                AbortReason.ABORT_REASON_DEADLINE_EXCEEDED
-                if deadline
-                else AbortReason.ABORT_REASON_CLIENT_CANCELLED
-            )
-            metrics.requests.labels("deadline_exceeded" if deadline else "cancelled").inc()
-            bound.info("request cancelled", reason=AbortReason.Name(why))
-            dispatcher.cancel(record, why)
+        abandon(dispatcher, metrics, record, time_remaining)
+
+
+def abandon(
+    dispatcher: Dispatcher,
+    metrics: CoordinatorMetrics,
+    record: RequestRecord,
+    time_remaining: Callable[[], float | None],
+) -> None:
+    """Cancel `record` if it has not ended: its consumer went away (client cancel or disconnect, or the
+    deadline when `time_remaining()` is up). A no-op once the request ended; safe to call twice."""
+    if record.ended:
+        return
+    remaining = time_remaining()
+    deadline = remaining is not None and remaining <= DEADLINE_SLACK_S
+    why = (
+        AbortReason.ABORT_REASON_DEADLINE_EXCEEDED if deadline else AbortReason.ABORT_REASON_CLIENT_CANCELLED
+    )
+    metrics.requests.labels("deadline_exceeded" if deadline else "cancelled").inc()
+    log.info(
+        "request cancelled",
+        rid=record.rid,
+        request_id=record.admitted.request_id,
+        reason=AbortReason.Name(why),
+    )
+    dispatcher.cancel(record, why)
 
 
 async def _next_events(record: RequestRecord) -> list[OutputEvent]:
