@@ -42,7 +42,9 @@ async def pool_state(cluster: Cluster) -> serving_pb2.GetPoolStateResponse:
     return await cluster.admin.GetPoolState(serving_pb2.GetPoolStateRequest())
 
 
-async def test_chat_stream_is_sse_with_role_content_finish_usage_and_done(start_cluster: StartCluster) -> None:
+async def test_chat_stream_is_sse_with_role_content_finish_usage_and_done(
+    start_cluster: StartCluster,
+) -> None:
     cluster = await start_cluster()
     p, d = await cluster.ready_pair()
     out = [300, 301, 302, 303]
@@ -138,7 +140,9 @@ async def test_full_queue_is_429_with_retry_after(start_cluster: StartCluster) -
         while (await pool_state(cluster)).workers[1].pool.free_blocks:
             await asyncio.sleep(0.01)
     async with http(cluster) as client:
-        waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "first", "max_tokens": 1}))
+        waiting = asyncio.create_task(
+            client.post("/v1/completions", json={"prompt": "first", "max_tokens": 1})
+        )
         async with asyncio.timeout(5):
             while (await pool_state(cluster)).queued_requests < 1:
                 await asyncio.sleep(0.01)
