@@ -173,6 +173,26 @@ async def test_deadline_is_504_and_aborts_the_workers(start_cluster: StartCluste
         assert abort.generation == req.generation + 1
 
 
+async def test_a_deadline_passing_mid_stream_ends_the_sse_with_an_error_event(
+    start_cluster: StartCluster,
+) -> None:
+    cluster = await start_cluster()
+    p, d = await cluster.ready_pair()
+    body = {"prompt": "slow", "stream": True}
+    async with http(cluster) as client:
+        headers = {"X-Request-Timeout": "1"}
+        call = asyncio.create_task(client.post("/v1/completions", json=body, headers=headers))
+        req = (await p.expect("prefill")).prefill.request
+        await p.tokens(req.rid, req.generation, 0, [500], prefill_done=True)  # then nothing more
+        response = await call
+    assert response.status_code == 200  # the stream had begun
+    data = sse_data(response.text)
+    assert "[DONE]" not in data
+    assert json.loads(data[-1])["error"]["type"] == "timeout_error"
+    abort = (await d.expect("abort")).abort
+    assert abort.reason == control_pb2.ABORT_REASON_DEADLINE_EXCEEDED
+
+
 @pytest.mark.parametrize("stream", [True, False])
 async def test_client_disconnect_sends_the_same_abort_as_a_grpc_cancel(
     start_cluster: StartCluster, stream: bool

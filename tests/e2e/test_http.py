@@ -40,7 +40,9 @@ async def test_chat_over_http_equals_grpc_greedy_streamed_or_not(
     cluster: LocalCluster, sdk: openai.AsyncOpenAI
 ) -> None:
     model = await model_name(sdk)
-    whole = await sdk.chat.completions.create(model=model, messages=MESSAGES, max_tokens=20, temperature=0)
+    whole = await sdk.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=20, temperature=0, logprobs=True, top_logprobs=2
+    )
     async with client_for(cluster) as grpc_client:
         want = await grpc_client.complete_chat(MESSAGES, max_tokens=20, temperature=0.0)
     assert want.usage is not None
@@ -50,6 +52,10 @@ async def test_chat_over_http_equals_grpc_greedy_streamed_or_not(
     assert whole.usage.completion_tokens == len(want.token_ids) == want.usage.completion_tokens
     assert whole.usage.prompt_tokens == want.usage.prompt_tokens
     assert choice.finish_reason == ("length" if len(want.token_ids) == 20 else "stop")
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    assert len(choice.logprobs.content) == len(want.token_ids)
+    for entry in choice.logprobs.content:  # greedy: the sampled token is the most likely one
+        assert len(entry.top_logprobs) == 2 and entry.logprob == entry.top_logprobs[0].logprob <= 0
 
     stream = await sdk.chat.completions.create(
         model=model,
