@@ -164,10 +164,10 @@ class OpenAIRoutes:
                 try:
                     async for step in _bounded(steps, remaining):
                         await renderer.add(step)
-                        if step.error is not None:
-                            return self._reject(step.error, parsed)
-                except RpcError as err:
-                    return self._reject(err, parsed)
+                        if step.error is not None:  # failed after admission: not a rejection
+                            return rpc_error_response(step.error, parsed.renames)
+                except RpcError as err:  # the deadline
+                    return rpc_error_response(err, parsed.renames)
             return JSONResponse(renderer.whole(), headers=headers)
 
         answer = asyncio.ensure_future(collect())
@@ -203,6 +203,7 @@ class OpenAIRoutes:
         return lambda: abandon(self.dispatcher, self.metrics, record, remaining)
 
     def _reject(self, err: RpcError, parsed: OpenAIRequest | None = None) -> Response:
+        """A call refused before admission passed (counted as a rejection, like gRPC's `reject`)."""
         self.metrics.rejections.labels(err.reason or err.code.name).inc()
         return rpc_error_response(err, parsed.renames if parsed else None)
 
