@@ -77,6 +77,13 @@ class OpenAIRoutes:
             exception_handlers={HTTPException: _http_exception, Exception: _internal_error},
         )
 
+    def _authenticate(self, request: Request) -> Metadata:
+        """The door's one API-key check (`Admission.authenticate`, as gRPC); returns the credentials
+        admission takes with the request. UNAUTHENTICATED before the body is read."""
+        metadata = credentials(request)
+        self.admission.authenticate(metadata)
+        return metadata
+
     # -- probes and models ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
         serving = self.dispatcher.registry.can_serve() and not self.dispatcher.draining
@@ -84,14 +91,14 @@ class OpenAIRoutes:
 
     async def list_models(self, request: Request) -> Response:
         try:
-            self.admission.authenticate(credentials(request))
+            self._authenticate(request)
         except RpcError as err:
             return self._reject(err)
         return JSONResponse({"object": "list", "data": [self._model()]})
 
     async def get_model(self, request: Request) -> Response:
         try:
-            self.admission.authenticate(credentials(request))
+            self._authenticate(request)
             self.admission.check_model(request.path_params["model"])
         except RpcError as err:
             return self._reject(err)
@@ -117,8 +124,7 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         parsed: OpenAIRequest | None = None
         try:
-            metadata = credentials(request)
-            self.admission.authenticate(metadata)
+            metadata = self._authenticate(request)
             body = await self._body(request)
             remaining = _deadline(request)
             request_id = request.headers.get("x-request-id", "")
