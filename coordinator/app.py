@@ -1,4 +1,4 @@
-"""The coordinator process's parts, wired together: gRPC server, control plane, metrics, health.
+"""The coordinator process's parts, wired together: gRPC and HTTP servers, control plane, metrics, health.
 
 `Coordinator(config).start()` binds everything (port 0 = OS-chosen; see `ready_info`), `drain()` stops
 admitting and waits for in-flight requests (bounded), `stop()` closes. Tests run it in-process;
@@ -25,6 +25,8 @@ from coordinator.chat import TemplateLimits, TokenizerThread
 from coordinator.control_loop import ControlPlane, Outbox
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import unavailable
+from coordinator.http.routes import OpenAIRoutes
+from coordinator.http.server import HttpServer
 from coordinator.metrics import CoordinatorMetrics, serve_metrics
 from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
@@ -64,6 +66,7 @@ class CoordinatorConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 5555
     metrics_port: int = 9100
+    http_port: int = 8000
     api_keys: tuple[str, ...] = ()  # entries: a key or `sha256:<hex>`; none = one anonymous principal
     admin_keys: tuple[str, ...] = ()  # none = AdminService disabled
     admin_host: str = "127.0.0.1"
@@ -104,6 +107,7 @@ class Coordinator:
         self.model = model
         self.incarnation = secrets.randbits(63)
         self.grpc_address = self.control_address = self.metrics_address = self.admin_address = ""
+        self.http_address = ""
         self.health_address = ""
         self.tls = config.tls()
         self._tasks: set[asyncio.Task[Any]] = set()
@@ -173,6 +177,15 @@ class Coordinator:
             self.health_server, self.health_address = await self._listen(
                 [], cfg.health_host, cfg.health_port, None
             )
+        routes = OpenAIRoutes(self.admission, self.dispatcher, self.metrics)
+        # the same TLS files and client-certificate rule as gRPC (one way in for both doors)
+        self.http = HttpServer(
+            routes.app,
+            cfg.host,
+            cfg.http_port,
+            ssl_context=None if self.tls is None else self.tls.ssl_context(),
+        )
+        self.http_address = await self.http.start()
         self._metrics_server, self.metrics_address = serve_metrics(self.metrics, cfg.host, cfg.metrics_port)
         self.plane_task = asyncio.create_task(self.plane.run(), name="control-plane")
         self.plane_task.add_done_callback(self._plane_ended)
@@ -233,6 +246,7 @@ class Coordinator:
             "grpc_address": self.grpc_address,
             "control_address": self.control_address,
             "metrics_address": self.metrics_address,
+            "http_address": self.http_address,
         }
         if self.admin_address:
             info["admin_address"] = self.admin_address
@@ -273,6 +287,7 @@ class Coordinator:
             await asyncio.wait_for(self.plane.outbox.flush(), 1.0)
 
     async def stop(self) -> None:
+        await self.http.stop()
         await self.server.stop(grace=1.0)
         for server in (self.admin_server, self.health_server):
             if server is not None:

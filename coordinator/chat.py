@@ -100,6 +100,15 @@ class TokenizerThread:
             clean_up_tokenization_spaces=False,
         )
 
+    async def decode_each(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's own text, special tokens included (the token strings of logprobs)."""
+        return await self._run(
+            self.tokenizer.batch_decode,
+            [[i] for i in token_ids],
+            skip_special_tokens=False,
+            clean_up_tokenization_spaces=False,
+        )
+
     async def render_chat(
         self,
         messages: Sequence[serving_pb2.ChatMessage],

@@ -1,6 +1,6 @@
-"""`splitserve coordinator`: the API process (gRPC + control plane + metrics) for one served model.
+"""`splitserve coordinator`: the API process (gRPC + OpenAI HTTP + control plane + metrics) for one model.
 
-Prints one `SPLITSERVE_READY {...}` line on stdout once gRPC, control and metrics are bound; drains on
+Prints one `SPLITSERVE_READY {...}` line on stdout once gRPC, HTTP, control and metrics are bound; drains on
 SIGTERM/SIGINT (stops admitting, lets in-flight requests finish within --drain-timeout) and exits 0.
 Module-level imports stay light: the heavy ones happen in `run`.
 """
@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: dir name, 'tiny')"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC and metrics listen host")
+    parser.add_argument("--host", default="127.0.0.1", help="gRPC, HTTP and metrics listen host")
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free)")
     parser.add_argument("--control-host", default="127.0.0.1", help="ZeroMQ control listen host")
     parser.add_argument("--control-port", type=int, default=5555, help="ZeroMQ control port (0 = any free)")
@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chat-template-threads", type=int, default=2, help="threads rendering chat templates concurrently"
+    )
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)"
     )
     parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
@@ -153,6 +156,7 @@ def _config(
         control_host=args.control_host,
         control_port=args.control_port,
         metrics_port=args.metrics_port,
+        http_port=args.http_port,
         api_keys=keys,
         admin_keys=admin_keys,
         admin_host=args.admin_host,

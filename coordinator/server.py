@@ -1,13 +1,15 @@
 """The gRPC servicers: InferenceService, ModelService and AdminService over the coordinator's parts.
 
 A Generate/Chat call: admission (ordered checks) -> `Dispatcher.submit` (duplicate id, queue) -> the
-stream loop, which drains the record's events, assembles deltas and ends with exactly one Finished or a
-non-OK status. If the call goes away first (client cancel, deadline), the `finally` cancels the request:
-its generation is bumped and Abort goes to its workers; the client is sent nothing more.
+stream loop (`coordinator.request_stream`, shared with the HTTP door), which drains the record's events,
+assembles deltas and ends with exactly one Finished or a non-OK status. If the call goes away first
+(client cancel, deadline), the loop cancels the request: its generation is bumped and Abort goes to its
+workers; the client is sent nothing more.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, NoReturn, TypeVar
@@ -21,8 +23,8 @@ from coordinator.control_loop import ControlPlane
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import RpcError, clip, empty_prompt
 from coordinator.metrics import CoordinatorMetrics
-from coordinator.output import OutputAssembler
-from coordinator.request_table import EndEvent, OutputEvent, RequestRecord
+from coordinator.request_stream import stream_steps
+from coordinator.request_table import EndEvent
 from coordinator.workers import WorkerRegistry
 from splitserve.v1 import control_pb2, serving_pb2, serving_pb2_grpc
 
@@ -33,8 +35,6 @@ AbortReason = control_pb2.AbortReason
 # GetPoolState(fresh) answers this long before the call's deadline, and waits at most this long without one
 _FRESH_MARGIN_S = 0.2
 _FRESH_DEFAULT_S = 5.0
-# the client may give up on its own clock a little before the server's timer fires
-_DEADLINE_SLACK_S = 0.05
 
 
 async def reject(
@@ -79,37 +79,15 @@ class InferenceServicer(serving_pb2_grpc.InferenceServiceServicer):
         except RpcError as err:
             await reject(context, err, self.metrics)
         request_id = record.admitted.request_id
-        bound = log.bind(rid=record.rid, request_id=request_id)
-        bound.debug("admitted", prompt_tokens=len(record.admitted.prompt_token_ids))
-        assembler = OutputAssembler(record, self.metrics)
-        try:
-            while True:
-                step = assembler.push(await _next_events(record))
-                if step.abort_engine:  # a stop string the worker could not see: stop its work now
-                    self.dispatcher.cancel(record, AbortReason.ABORT_REASON_STOP_STRING)
+        steps = stream_steps(self.dispatcher, self.metrics, record, context.time_remaining)
+        async with contextlib.aclosing(steps):
+            async for step in steps:
                 if step.delta is not None:
                     yield response(request_id=request_id, delta=step.delta)
                 if step.error is not None:
-                    self.metrics.requests.labels(step.error.code.name.lower()).inc()
-                    bound.info("request failed", code=step.error.code.name, message=step.error.message)
                     await context.abort_with_status(step.error.to_status())
                 if step.finished is not None:
-                    reason = serving_pb2.FinishReason.Name(step.finished.reason)
-                    self.metrics.requests.labels(reason.removeprefix("FINISH_REASON_").lower()).inc()
                     yield response(request_id=request_id, finished=step.finished)
-                    return
-        finally:
-            if not record.ended:  # the call went away: client cancel or deadline
-                remaining = context.time_remaining()
-                deadline = remaining is not None and remaining <= _DEADLINE_SLACK_S
-                why = (
-                    AbortReason.ABORT_REASON_DEADLINE_EXCEEDED
-                    if deadline
-                    else AbortReason.ABORT_REASON_CLIENT_CANCELLED
-                )
-                self.metrics.requests.labels("deadline_exceeded" if deadline else "cancelled").inc()
-                bound.info("request cancelled", reason=AbortReason.Name(why))
-                self.dispatcher.cancel(record, why)
 
     async def Tokenize(
         self, request: serving_pb2.TokenizeRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -231,11 +209,3 @@ class AdminServicer(serving_pb2_grpc.AdminServiceServicer):
             queued_requests=len(dispatcher.queue),
             late_outputs_dropped=dispatcher.table.late_outputs_dropped,
         )
-
-
-async def _next_events(record: RequestRecord) -> list[OutputEvent]:
-    """Wait for the record's next event, then take every event already queued (coalescing)."""
-    events = [await record.events.get()]
-    while not record.events.empty():
-        events.append(record.events.get_nowait())
-    return events

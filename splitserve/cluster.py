@@ -76,6 +76,7 @@ class ClusterSpec:
     mode: str = "disaggregated"  # or "colocated": decode_workers colocated workers, no prefill pool
     host: str = "127.0.0.1"
     port: int = 0
+    http_port: int = 0
     transfer_backend: str = "tcp"
     coordinator_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
@@ -110,6 +111,11 @@ class LocalCluster:
     @property
     def grpc_address(self) -> str:
         return str(self.coordinator.ready["grpc_address"])
+
+    @property
+    def http_address(self) -> str:
+        """The coordinator's OpenAI-compatible HTTP `host:port`."""
+        return str(self.coordinator.ready["http_address"])
 
     def workers(self, role: str) -> list[RoleProcess]:
         return [p for p in self.processes if p.role == role]
@@ -152,6 +158,8 @@ class LocalCluster:
                     "--metrics-port",
                     "0",
                     *coordinator_security,
+                    "--http-port",
+                    str(s.http_port),
                     *s.coordinator_args,
                 ],
             )

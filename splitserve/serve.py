@@ -31,6 +31,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     parser.add_argument("--port", type=int, default=50051, help="gRPC port (0: any free port)")
+    parser.add_argument(
+        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0: any free port)"
+    )
 
 
 def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
@@ -44,6 +47,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         mode=args.mode,
         host=args.host,
         port=getattr(args, "port", 0),
+        http_port=getattr(args, "http_port", 0),
         transfer_backend=args.transfer_backend,
         log_dir=args.log_dir,
         insecure_control_plane=bool(args.insecure_control_plane),
@@ -59,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
     cluster.start()
     workers = ", ".join(p.name for p in cluster.processes[1:])
     print(
-        f"splitserve: serving {spec.model} on {cluster.grpc_address} ({workers}); Ctrl-C drains and stops",
+        f"splitserve: serving {spec.model} on {cluster.grpc_address} (gRPC) and "
+        f"http://{cluster.http_address}/v1 (OpenAI) ({workers}); Ctrl-C drains and stops",
         flush=True,
     )
     stop.wait()  # protects nothing but the process's life: the servers run in the children

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -46,12 +47,22 @@ def read_ready_line(proc: subprocess.Popen[str], timeout_s: float) -> dict[str, 
     raise AssertionError(f"no READY line within {timeout_s} s (exit code {proc.poll()})")
 
 
+def http_status(url: str, authorization: str | None = None) -> int:
+    request = urllib.request.Request(url, headers={"Authorization": authorization} if authorization else {})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as err:
+        return err.code
+
+
 @pytest.mark.slow
 def test_process_prints_ready_and_drains_on_sigterm(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path
 ) -> None:
     args = ["--model", str(tiny_model_dir("llama-2l")), "--served-model-name", "tiny", "--port", "0"]
-    args += ["--control-port", "0", "--metrics-port", "0", "--api-key-env", "TEST_COORDINATOR_KEY"]
+    args += ["--control-port", "0", "--metrics-port", "0", "--http-port", "0"]
+    args += ["--api-key-env", "TEST_COORDINATOR_KEY"]
     args += KeySet.create(tmp_path / "keys").coordinator_args()
     args += ["--api-key", hash_entry("k3")]
     env = {**os.environ, "TEST_COORDINATOR_KEY": "k1,k2"}
@@ -84,6 +95,11 @@ def test_process_prints_ready_and_drains_on_sigterm(
             assert {"splitserve.v1.InferenceService", "grpc.health.v1.Health"} <= set(services)
         with urllib.request.urlopen(f"http://{ready['metrics_address']}/metrics", timeout=10) as response:
             assert b"splitserve_coordinator_queue_depth" in response.read()
+        # the HTTP door: the same health and the same API keys as gRPC
+        http = f"http://{ready['http_address']}"
+        assert http_status(f"{http}/health") == 503  # no workers yet, like gRPC health
+        assert http_status(f"{http}/v1/models") == 401
+        assert http_status(f"{http}/v1/models", "Bearer k1") == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
     finally:

@@ -225,6 +225,7 @@ def test_network_policy_shape(m: Manifests) -> None:
         assert m.allowed_roles(role, worker_port["metrics"]) is None  # Prometheus, any namespace
     assert m.allowed_roles("coordinator", coord_port["control"]) == set(WORKERS)
     assert m.allowed_roles("coordinator", coord_port["grpc"]) is None  # the public API
+    assert m.allowed_roles("coordinator", coord_port["http"]) is None  # the OpenAI-compatible API
     for role in ROLES:
         assert m.allowed_roles(role, 22) == set(), role  # default deny for anything else
 
