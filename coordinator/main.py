@@ -11,12 +11,14 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
+from engine.model_dir import MODEL_HELP
+
 if TYPE_CHECKING:
     from coordinator.app import CoordinatorConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory, or tiny[:SHAPE]")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: dir name, 'tiny')"
     )

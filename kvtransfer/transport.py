@@ -31,6 +31,7 @@ from kvtransfer.layout import KVLayout
 log = structlog.get_logger(__name__)
 
 PROTOCOL_VERSION = 1
+CLOSED_LOCALLY = "closed locally"  # the lost reason of a peer this side closed (Peer.close)
 
 
 class PostedRecv(ABC):
@@ -78,7 +79,10 @@ class Peer(ABC):
         if self.lost_reason is not None:
             return
         self.lost_reason = reason
-        log.warning("kv peer lost", peer=self.address, reason=reason)
+        if reason == CLOSED_LOCALLY:  # our own close (drain, shutdown): nothing went wrong
+            log.info("kv peer closed", peer=self.address)
+        else:
+            log.warning("kv peer lost", peer=self.address, reason=reason)
         callbacks, self._lost_callbacks = self._lost_callbacks, []
         for callback in callbacks:
             callback(reason)

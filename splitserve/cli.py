@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("splitserve.bench", "serving benchmark: Poisson arrivals, TTFT/TPOT/ITL, SLO attainment"),
     "offline": ("engine.offline_cli", "generate with the in-process engine (no servers)"),
     "make-tiny-model": ("engine.tiny", "write a deterministic tiny Hugging Face checkpoint"),
+    "fetch-model": (
+        "engine.model_registry",
+        "download and convert a registered real model once; print its path",
+    ),
 }
 
 

@@ -7,12 +7,17 @@ import signal
 import threading
 from pathlib import Path
 
+from engine.model_dir import MODEL_HELP
 from splitserve.cluster import ClusterSpec, LocalCluster
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `demo`."""
-    parser.add_argument("--model", default="tiny", help="checkpoint directory, or tiny[:SHAPE]")
+    parser.add_argument(
+        "--model",
+        default="smollm2-135m-instruct",
+        help=MODEL_HELP,
+    )
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
