@@ -79,8 +79,10 @@ async def _serve(config: CoordinatorConfig) -> int:
     import structlog
 
     from coordinator.app import Coordinator
+    from splitserve.progress import announce
 
     log = structlog.get_logger("coordinator")
+    announce("loading the tokenizer, binding ports")
     app = Coordinator(config)
     await app.start()
     print("SPLITSERVE_READY " + json.dumps(app.ready_info()), flush=True)
