@@ -58,7 +58,7 @@ def _extensions() -> tuple[list[object], dict[str, object]]:
         CppExtension(
             name=f"kernels.{cpu_build.module_name(isa)}",
             sources=[f"kernels/csrc/{s}" for s in cpu_build.SOURCES],
-            extra_compile_args=[*cpu_build.CFLAGS, *cpu_build.ISA_FLAGS[isa]],
+            extra_compile_args=cpu_build.compile_flags(isa),
             extra_link_args=cpu_build.LDFLAGS,
         )
         for isa in isas

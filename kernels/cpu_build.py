@@ -4,6 +4,7 @@ that `setup.py` can read it before the package's dependencies exist."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
@@ -16,6 +17,19 @@ ISA_FLAGS: dict[str, list[str]] = {
 }
 CFLAGS = ["-O3", "-fopenmp"]
 LDFLAGS = ["-fopenmp"]
+
+
+def source_digest() -> str:
+    """The digest compiled into each library (``module.source_digest``): ``d`` + SHA-256 of the sources."""
+    h = hashlib.sha256()
+    for name in SOURCES:
+        h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
+    return "d" + h.hexdigest()
+
+
+def compile_flags(isa: str) -> list[str]:
+    """Every compiler flag of ``isa``'s library, the source digest define included."""
+    return [*CFLAGS, *ISA_FLAGS[isa], f"-DSPLITSERVE_SOURCE_DIGEST={source_digest()}"]
 
 
 def isa_of(capability: str) -> str:

@@ -51,11 +51,9 @@ def load() -> ModuleType | None:
         return None
     isa = cpu_build.isa_of(torch.backends.cpu.get_cpu_capability())
     start = time.perf_counter()
-    try:
-        module = importlib.import_module(f"kernels.{cpu_build.module_name(isa)}")
-        source = "prebuilt"
-    except ImportError as exc:
-        log.info("no prebuilt cpu kernels; compiling them now (once per machine)", isa=isa, error=str(exc))
+    module = _prebuilt(isa)
+    source = "prebuilt"
+    if module is None:
         try:
             module = _build(isa)
         except Exception as exc:
@@ -63,6 +61,23 @@ def load() -> ModuleType | None:
             return None
         source = "built"
     log.info("cpu kernels loaded", isa=isa, source=source, seconds=round(time.perf_counter() - start, 2))
+    return module
+
+
+def _prebuilt(isa: str) -> ModuleType | None:
+    """The library ``setup.py`` built for ``isa`` when it exists and was built from today's sources."""
+    try:
+        module = importlib.import_module(f"kernels.{cpu_build.module_name(isa)}")
+    except ImportError as exc:
+        log.info("no prebuilt cpu kernels; compiling them now (once per machine)", isa=isa, error=str(exc))
+        return None
+    if getattr(module, "source_digest", None) != cpu_build.source_digest():
+        log.warning(
+            "prebuilt cpu kernels are older than kernels/csrc; compiling them now. Rebuild with: "
+            "SPLITSERVE_CPU_KERNEL_ISAS=host python setup.py build_ext --inplace",
+            library=module.__file__,
+        )
+        return None
     return module
 
 
@@ -74,7 +89,7 @@ def _build(isa: str) -> ModuleType:
     return cpp_extension.load(
         name=f"splitserve{cpu_build.module_name(isa)}",
         sources=[str(cpu_build.CSRC / s) for s in cpu_build.SOURCES],
-        extra_cflags=[*cpu_build.CFLAGS, *cpu_build.ISA_FLAGS[isa]],
+        extra_cflags=cpu_build.compile_flags(isa),
         extra_ldflags=cpu_build.LDFLAGS,
         verbose=False,
     )

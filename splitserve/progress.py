@@ -37,21 +37,21 @@ def parse(line: str) -> str | None:
 
 
 class ProgressBoard:
-    """One line per process: `name  stage  (seconds since it was launched)`. Thread-safe: the
+    """One line per process: `name  stage (seconds from its launch to this stage)`. Thread-safe: the
     launcher's reader threads call `update` concurrently. On a TTY the block of lines is redrawn in
     place; otherwise each update prints one line."""
 
     def __init__(self, out: IO[str] | None = None) -> None:
         self.out = out if out is not None else sys.stderr
         self.live = self.out.isatty()
-        self._rows: dict[str, tuple[str, float]] = {}  # name -> (stage, start time)
+        self._rows: dict[str, tuple[str, float, float]] = {}  # name -> (stage, launch time, stage time)
         self._drawn = 0
         self._lock = threading.Lock()
 
     def update(self, name: str, stage: str) -> None:
         with self._lock:
-            start = self._rows.get(name, ("", time.monotonic()))[1]
-            self._rows[name] = (stage, start)
+            now = time.monotonic()
+            self._rows[name] = (stage, self._rows.get(name, ("", now, now))[1], now)
             if self.live:
                 self._redraw()
             else:
@@ -59,9 +59,9 @@ class ProgressBoard:
             self.out.flush()
 
     def _row(self, name: str) -> str:
-        stage, start = self._rows[name]
+        stage, launched, reached = self._rows[name]
         width = max(len(n) for n in self._rows)
-        return f"  {name:<{width}}  {stage} ({time.monotonic() - start:.1f}s)"
+        return f"  {name:<{width}}  {stage} ({reached - launched:.1f}s)"
 
     def _redraw(self) -> None:
         if self._drawn:
