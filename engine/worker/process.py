@@ -159,7 +159,6 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 async def _main(settings: WorkerSettings) -> int:
     from engine.loader import load_model
     from engine.model_dir import resolve_model_dir
-    from kernels import cpu_ext
     from splitserve.progress import announce
 
     cfg = settings.engine
@@ -167,9 +166,7 @@ async def _main(settings: WorkerSettings) -> int:
     model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, announce)
     announce(f"loading {model_dir.name}")
     loaded = await asyncio.to_thread(load_model, model_dir, dtype=cfg.torch_dtype, device=cfg.device)
-    if cfg.device == "cpu":  # load the C++ kernels now rather than inside the first request's step
-        announce("loading the CPU kernels")
-        await asyncio.to_thread(cpu_ext.load)
+    announce("allocating the KV cache, loading kernels")  # the engine's runner loads the CPU kernels
     worker = Worker(settings, loaded)
     announce("registering with the coordinator")
     try:
