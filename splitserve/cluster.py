@@ -23,6 +23,7 @@ from typing import IO, Any
 
 import structlog
 
+from splitserve.progress import ENV as PROGRESS_ENV
 from splitserve.progress import parse as parse_progress
 
 log = structlog.get_logger(__name__)
@@ -212,7 +213,7 @@ class LocalCluster:
             s.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(s.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
             self._logs.append(stderr)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **s.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PROGRESS_ENV: "1", **s.env}
         popen = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", *argv],
             stdout=subprocess.PIPE,

@@ -1,26 +1,31 @@
 """Start-up progress: each process says what it is doing; the local launcher shows one line per process.
 
 A child process (`splitserve coordinator|prefill|decode`) calls `announce(stage)` at each slow step of
-its start (resolving the model, loading it, loading kernels, registering). That writes one
-`SPLITSERVE_PROGRESS {"stage": ...}` line on stdout, the channel that already carries the readiness
-line, so logs (stderr) stay untouched. Run alone, a process prints these lines beside its JSON logs;
-under `splitserve serve|demo` the launcher (`splitserve.cluster`) turns them into a `ProgressBoard`:
-on a terminal one live line per process, redrawn in place; elsewhere one plain line per change.
+its start (resolving the model, loading it, loading kernels, registering). When its launcher asked
+for progress (`SPLITSERVE_PROGRESS=1` in its environment: `splitserve.cluster` sets it) that writes
+one `SPLITSERVE_PROGRESS {"stage": ...}` line on stdout, the channel that already carries the
+readiness line, so logs (stderr) stay untouched; run alone, stdout stays the readiness line only.
+Under `splitserve serve|demo` the launcher turns the lines into a `ProgressBoard`: on a terminal one
+live line per process, redrawn in place; elsewhere one plain line per change.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
 from typing import IO
 
 PROGRESS_PREFIX = "SPLITSERVE_PROGRESS "
+ENV = "SPLITSERVE_PROGRESS"  # "1": the launcher reads progress lines
 
 
 def announce(stage: str) -> None:
-    """Report this process's current start-up stage to whoever launched it (stdout, flushed)."""
+    """Report this process's current start-up stage to its launcher (stdout, flushed), if it asked."""
+    if os.environ.get(ENV) != "1":
+        return
     sys.stdout.write(PROGRESS_PREFIX + json.dumps({"stage": stage}) + "\n")
     sys.stdout.flush()
 

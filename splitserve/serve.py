@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -> ClusterSpec:
     from engine.model_dir import resolve_model_dir
+    from splitserve.logs import configure_logging
 
+    configure_logging(level="warning")  # the launcher's own logs until `started` opens its log file
     # fetch/convert/build the model once, before the workers race for it
     model = str(resolve_model_dir(args.model, say=say))
     return ClusterSpec(
