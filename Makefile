@@ -6,20 +6,28 @@ STAMP   := $(VENV)/.setup-stamp
 TORCH   ?= torch==2.13.0
 # GPU machines: make setup TORCH_INDEX=https://download.pytorch.org/whl/cu128
 TORCH_INDEX ?=
+# C++ CPU kernel variants compiled at set-up (setup.py): this machine's only; "" builds all three
+CPU_KERNEL_ISAS ?= host
+MODEL   ?= smollm2-135m-instruct
 
 .PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# torch first (the CPU wheel stays), then the package without build isolation: setup.py compiles the
+# C++ CPU kernels against that torch (ninja from the venv on PATH); then the real model, once.
+$(STAMP): pyproject.toml setup.py
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q 'setuptools>=68' wheel ninja
+	PATH="$(CURDIR)/$(BIN):$$PATH" SPLITSERVE_CPU_KERNEL_ISAS=$(CPU_KERNEL_ISAS) \
+		$(BIN)/pip install -q --no-build-isolation -e '.[dev]'
+	$(BIN)/splitserve fetch-model $(MODEL)
 	touch $(STAMP)
 
 run: setup
-	$(BIN)/splitserve demo
+	$(BIN)/splitserve demo --model $(MODEL)
 
 test: setup
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
@@ -47,4 +55,4 @@ kvbench: setup
 	$(BIN)/kvbench run --backend ucx,tcp
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache kernels/*.so

@@ -12,13 +12,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from splitserve.control_flags import add_control_security_arguments
+from engine.model_dir import MODEL_HELP
 
 if TYPE_CHECKING:
     from coordinator.app import CoordinatorConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="checkpoint directory, or tiny[:SHAPE]")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument(
         "--served-model-name", default=None, help="name clients use (default: dir name, 'tiny')"
     )
@@ -188,8 +189,10 @@ async def _serve(config: CoordinatorConfig) -> int:
 
     from coordinator.app import Coordinator
     from splitserve.control_auth import ControlKeyError
+    from splitserve.progress import announce
 
     log = structlog.get_logger("coordinator")
+    announce("loading the tokenizer, binding ports")
     app = Coordinator(config)
     try:
         await app.start()

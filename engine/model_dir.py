@@ -1,13 +1,19 @@
-"""Resolve a `--model` argument: a checkpoint directory, or `tiny[:SHAPE]` for a built-in tiny model."""
+"""Resolve a `--model` argument: a checkpoint directory, a `.gguf` file, a registered model name
+(`engine.model_registry`, e.g. `smollm2-135m-instruct`), or `tiny[:SHAPE]` for a built-in tiny model."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 DEFAULT_TINY_SHAPE = "llama-2l"
+MODEL_HELP = (
+    "checkpoint directory, .gguf file (converted once), registered name such as "
+    "smollm2-135m-instruct (fetched once), or tiny[:SHAPE]"
+)
 
 
 def cache_dir() -> Path:
@@ -30,12 +36,14 @@ def _tiny_recipe_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def resolve_model_dir(spec: str | Path) -> Path:
+def resolve_model_dir(spec: str | Path, say: Callable[[str], None] | None = None) -> Path:
     """Return a directory holding a Hugging Face checkpoint.
 
     `tiny` or `tiny:SHAPE` builds the deterministic tiny checkpoint once into the cache directory
-    (`$SPLITSERVE_CACHE`, default `~/.cache/splitserve`) and reuses it; anything else must be an
-    existing directory.
+    (`$SPLITSERVE_CACHE`, default `~/.cache/splitserve`) and reuses it; a registered name is fetched
+    and converted once into `<cache>/models/NAME`; a `.gguf` file is converted once into
+    `<cache>/models/` keyed by its digest; anything else must be an existing directory. `say` gets one
+    line per slow first-use step (download, conversion).
     """
     text = str(spec)
     if text == "tiny" or text.startswith("tiny:"):
@@ -51,9 +59,18 @@ def resolve_model_dir(spec: str | Path) -> Path:
             except OSError:  # another process built it first; theirs is byte-identical
                 shutil.rmtree(staging)
         return target
+    from engine.model_registry import REGISTRY, fetch
+
+    if text in REGISTRY:
+        return fetch(text, say=say)
     path = Path(text)
+    if path.suffix == ".gguf":
+        from engine.gguf_convert import gguf_model_dir
+
+        return gguf_model_dir(path, say=say)
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model directory {path} does not exist (or pass 'tiny' for the built-in model)"
+            f"model directory {path} does not exist (pass a checkpoint directory, a .gguf file, "
+            f"'tiny', or one of: {', '.join(sorted(REGISTRY))})"
         )
     return path

@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import time
 
+from engine.model_dir import MODEL_HELP
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("prompt", nargs="*", help="prompt text(s); default: the demo chat request")
-    parser.add_argument(
-        "--model", default="tiny", help="checkpoint directory, or 'tiny' for the built-in model"
-    )
+    parser.add_argument("--model", default="tiny", help=MODEL_HELP)
     parser.add_argument("--system", default="You answer questions about Acme products.")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--temperature", type=float, default=0.0)
@@ -40,5 +40,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"--- output ({len(out.token_ids)} tokens, finish={out.finish_reason})\n{out.text}")
     n = sum(len(o.token_ids) for o in outputs)
     print(f"--- {n} tokens in {elapsed:.2f}s ({n / elapsed:.1f} tok/s); model: {model_dir}")
-    print("note: the built-in tiny model has random weights, so its text is gibberish by design.")
+    if str(args.model).startswith("tiny"):
+        print("note: the built-in tiny model has random weights, so its text is gibberish by design.")
     return 0

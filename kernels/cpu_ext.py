@@ -1,11 +1,12 @@
-"""The C++ CPU kernels in ``kernels/csrc/``, compiled on first use by torch's extension builder.
+"""The C++ CPU kernels in ``kernels/csrc/``, built when the package is installed and loaded prebuilt.
 
-``load()`` builds once per machine into torch's extension cache (about 25 s with g++ on 2 cores;
-ninja and a C++ compiler are needed), then loads the cached library in well under a second. The
-build targets the CPU capability torch reports (AVX512, AVX2 or baseline), which is part of the
-library's name, so a cache shared by different machines never hands one the other's instructions.
-Where the build fails, or ``SPLITSERVE_CPU_KERNELS=0`` is set, ``load()`` returns ``None`` after one
-warning and every caller runs the torch reference instead.
+``setup.py`` compiles one library per instruction set (``kernels._cpu_kernels_avx512|avx2|default``,
+flags in ``kernels.cpu_build``); ``load()`` imports the one matching the CPU capability torch reports
+(well under a second). Only where that library is missing (a checkout used without ``make setup``, or
+a build with ``SPLITSERVE_BUILD_CPU_KERNELS=0``) does it fall back to compiling the same source with
+torch's extension builder into torch's extension cache (about 25 s with g++ on 2 cores; ninja and a
+C++ compiler are needed), logging that it does. Where that fails too, or ``SPLITSERVE_CPU_KERNELS=0``
+is set, ``load()`` returns ``None`` after one warning and every caller runs the torch reference.
 
 Kernels here (float32 only), each the CPU twin of a Triton kernel with its torch reference's
 semantics: ``paged_decode_attention`` and ``write_kv_slots``.
@@ -15,22 +16,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import os
 import shutil
 import time
-from pathlib import Path
 from types import ModuleType
 
 import structlog
 import torch
 
-log = structlog.get_logger(__name__)
+from kernels import cpu_build
 
-SOURCES = [Path(__file__).parent / "csrc" / "cpu_kernels.cpp"]
-_ISA_FLAGS = {
-    "AVX512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
-}
+log = structlog.get_logger(__name__)
 
 
 def enabled() -> bool:
@@ -52,22 +49,47 @@ def load() -> ModuleType | None:
     """The compiled module, or ``None`` when disabled or unbuildable (logged once)."""
     if not enabled():
         return None
+    isa = cpu_build.isa_of(torch.backends.cpu.get_cpu_capability())
+    start = time.perf_counter()
+    module = _prebuilt(isa)
+    source = "prebuilt"
+    if module is None:
+        try:
+            module = _build(isa)
+        except Exception as exc:
+            log.warning("cpu kernels unavailable; using torch references", error=str(exc)[:500])
+            return None
+        source = "built"
+    log.info("cpu kernels loaded", isa=isa, source=source, seconds=round(time.perf_counter() - start, 2))
+    return module
+
+
+def _prebuilt(isa: str) -> ModuleType | None:
+    """The library ``setup.py`` built for ``isa`` when it exists and was built from today's sources."""
+    try:
+        module = importlib.import_module(f"kernels.{cpu_build.module_name(isa)}")
+    except ImportError as exc:
+        log.info("no prebuilt cpu kernels; compiling them now (once per machine)", isa=isa, error=str(exc))
+        return None
+    if getattr(module, "source_digest", None) != cpu_build.source_digest():
+        log.warning(
+            "prebuilt cpu kernels are older than kernels/csrc; compiling them now. Rebuild with: "
+            "SPLITSERVE_CPU_KERNEL_ISAS=host python setup.py build_ext --inplace",
+            library=module.__file__,
+        )
+        return None
+    return module
+
+
+def _build(isa: str) -> ModuleType:
+    """Compile ``isa``'s library with torch's JIT extension builder (cached by torch)."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = "AVX512" if capability.startswith("AVX512") else capability
-    start = time.perf_counter()
-    try:
-        module = cpp_extension.load(
-            name=f"splitserve_cpu_kernels_{isa.lower()}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-fopenmp", *_ISA_FLAGS.get(isa, [])],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:
-        log.warning("cpu kernels unavailable; using torch references", error=str(exc)[:500])
-        return None
-    log.info("cpu kernels loaded", isa=isa, seconds=round(time.perf_counter() - start, 2))
-    return module
+    return cpp_extension.load(
+        name=f"splitserve{cpu_build.module_name(isa)}",
+        sources=[str(cpu_build.CSRC / s) for s in cpu_build.SOURCES],
+        extra_cflags=cpu_build.compile_flags(isa),
+        extra_ldflags=cpu_build.LDFLAGS,
+        verbose=False,
+    )

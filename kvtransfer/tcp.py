@@ -30,7 +30,7 @@ import torch
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
 from kvtransfer.layout import KVLayout
-from kvtransfer.transport import Peer, PostedRecv, Transport, as_bytes
+from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -123,7 +123,7 @@ class TcpPeer(Peer):
         except (ConnectionError, OSError) as e:
             self._fail(str(e) or type(e).__name__)
         except asyncio.CancelledError:
-            self._fail("closed locally")
+            self._fail(CLOSED_LOCALLY)
             raise
 
     def _match(self, tag: int, nbytes: int) -> None:

@@ -31,6 +31,8 @@ from kvtransfer.layout import KVLayout
 
 log = structlog.get_logger(__name__)
 
+CLOSED_LOCALLY = "closed locally"  # the lost reason of a peer this side closed (Peer.close)
+
 
 class PostedRecv(ABC):
     """One posted receive. Created by `Peer.post_recv`; finished exactly once by data or cancel."""
@@ -77,7 +79,10 @@ class Peer(ABC):
         if self.lost_reason is not None:
             return
         self.lost_reason = reason
-        log.warning("kv peer lost", peer=self.address, reason=reason)
+        if reason == CLOSED_LOCALLY:  # our own close (drain, shutdown): nothing went wrong
+            log.info("kv peer closed", peer=self.address)
+        else:
+            log.warning("kv peer lost", peer=self.address, reason=reason)
         callbacks, self._lost_callbacks = self._lost_callbacks, []
         for callback in callbacks:
             callback(reason)

@@ -37,7 +37,7 @@ import torch
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
 from kvtransfer.layout import KVLayout
-from kvtransfer.transport import Peer, PostedRecv, Transport, as_bytes
+from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes
 
 log = structlog.get_logger(__name__)
 
@@ -297,7 +297,7 @@ class UcxPeer(Peer):
 
     async def close(self) -> None:
         await self.endpoint.close()
-        self._mark_lost("closed locally")
+        self._mark_lost(CLOSED_LOCALLY)
 
 
 class UcxTransport(Transport):

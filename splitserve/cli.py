@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "offline": ("engine.offline_cli", "generate with the in-process engine (no servers)"),
     "make-tiny-model": ("engine.tiny", "write a deterministic tiny Hugging Face checkpoint"),
     "keygen": ("splitserve.keygen", "write CurveZMQ keypairs for the control plane"),
+    "fetch-model": (
+        "engine.model_registry",
+        "download and convert a registered real model once; print its path",
+    ),
 }
 
 

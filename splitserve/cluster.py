@@ -7,6 +7,10 @@ line (bounded), never sleeps. Processes are real `splitserve <role>` subprocesse
 Control-plane keys: unless `insecure_control_plane`, `start` writes an ephemeral CurveZMQ keypair per
 process into a private temp dir (0700, see splitserve.control_auth.KeySet), gives each process its
 own, and deletes the dir in `stop`.
+
+Their `SPLITSERVE_PROGRESS` lines (`splitserve.progress`) and readiness go to an optional
+`progress(name, stage)` callback; their logs (stderr) go to `<log_dir>/<name>.log`, or to the
+launcher's stderr.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -27,6 +32,8 @@ from typing import IO, Any
 import structlog
 
 from splitserve.control_auth import KeySet
+from splitserve.progress import ENV as PROGRESS_ENV
+from splitserve.progress import parse as parse_progress
 
 log = structlog.get_logger(__name__)
 
@@ -59,12 +66,20 @@ class RoleProcess:
             raise ClusterError(f"{self.name} was not ready within {timeout:.0f}s") from None
 
 
-def _pump(stream: IO[str], lines: queue.Queue[str | None], echo: IO[str] | None) -> None:
-    """Forward a child's stdout line by line (keeps its pipe from filling up)."""
+ProgressCallback = Callable[[str, str], None]  # (process name, stage)
+
+
+def _pump(
+    stream: IO[str], lines: queue.Queue[str | None], name: str, progress: ProgressCallback | None
+) -> None:
+    """Forward a child's stdout line by line (keeps its pipe from filling up), reporting its
+    progress lines and its readiness to `progress`."""
     for line in stream:
         lines.put(line.rstrip("\n"))
-        if echo is not None and not line.startswith(READY_PREFIX):
-            echo.write(line)
+        if progress is not None:
+            stage = "ready" if line.startswith(READY_PREFIX) else parse_progress(line)
+            if stage is not None:
+                progress(name, stage)
     lines.put(None)
 
 
@@ -97,9 +112,12 @@ class ClusterSpec:
 class LocalCluster:
     """Starts, addresses and stops the processes of one `ClusterSpec`. Use as a context manager."""
 
-    def __init__(self, spec: ClusterSpec, *, ready_timeout: float = 180.0) -> None:
+    def __init__(
+        self, spec: ClusterSpec, *, ready_timeout: float = 180.0, progress: ProgressCallback | None = None
+    ) -> None:
         self.spec = spec
         self.ready_timeout = ready_timeout
+        self.progress = progress
         self.processes: list[RoleProcess] = []
         self.keys: KeySet | None = None
         self._logs: list[IO[str]] = []
@@ -205,7 +223,7 @@ class LocalCluster:
             s.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(s.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
             self._logs.append(stderr)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **s.env}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PROGRESS_ENV: "1", **s.env}
         popen = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", *argv],
             stdout=subprocess.PIPE,
@@ -216,7 +234,10 @@ class LocalCluster:
         )
         assert popen.stdout is not None
         lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=_pump, args=(popen.stdout, lines, None), daemon=True, name=name).start()
+        if self.progress is not None:
+            self.progress(name, "starting")
+        pump_args = (popen.stdout, lines, name, self.progress)
+        threading.Thread(target=_pump, args=pump_args, daemon=True, name=name).start()
         proc = RoleProcess(role, name, popen)
         self.processes.append(proc)
         return proc, lines

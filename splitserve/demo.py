@@ -1,17 +1,17 @@
-"""`splitserve demo` (what `make run` runs): a local cluster on the tiny model serving one real chat request.
+"""`splitserve demo` (what `make run` runs): a local cluster on a real model serving one chat request.
 
-Starts a coordinator, a prefill worker and a decode worker, sends the chat request "Why is my device
-blinking amber?" with a system prompt, streams the answer, prints the per-stage timings and usage,
-then drains and stops every process.
+Fetches the model on first use (default `smollm2-135m-instruct`), starts a coordinator, a prefill
+worker and a decode worker (one progress line each; their logs go to files, see `splitserve.launch`),
+sends the chat request "Why is my device blinking amber?" with a system prompt, streams the greedy
+answer, prints the start-up time, the per-stage timings and usage, then drains and stops every process.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
 
-from splitserve.cluster import LocalCluster
+from splitserve.launch import started
 from splitserve.serve import add_cluster_arguments, cluster_spec
 
 SYSTEM = "You answer questions about Acme products."
@@ -47,18 +47,14 @@ async def _ask(address: str, max_tokens: int) -> None:
             for name in ("queue", "prefill", "kv_transfer", "first_token", "decode", "total")
         )
     )
-    print("note: the built-in tiny model has random weights, so the answer is gibberish by design.")
 
 
 def run(args: argparse.Namespace) -> int:
-    spec = cluster_spec(args)
-    with LocalCluster(spec) as cluster:
-        print(
-            f"cluster up: coordinator {cluster.grpc_address}, "
-            f"workers {', '.join(p.name for p in cluster.processes[1:])}",
-            file=sys.stderr,
-        )
+    spec = cluster_spec(args, log_files_by_default=True)
+    with started(spec) as cluster:
         asyncio.run(_ask(cluster.grpc_address, args.max_tokens))
         codes = cluster.stop()
+    if args.model.startswith("tiny"):
+        print("note: the built-in tiny model has random weights, so the answer is gibberish by design.")
     print(f"cluster stopped cleanly: {all(c == 0 for c in codes.values())} ({codes})")
     return 0 if all(c == 0 for c in codes.values()) else 1

@@ -5,16 +5,19 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import TextIO
 
 import structlog
 
 
-def configure_logging(level: str | None = None, **bound: str) -> None:
-    """Route every structlog logger to stderr (level: `level`, else $SPLITSERVE_LOG_LEVEL, else info) (stdout carries only the readiness line) and bind
-    `bound` (role, worker_id) to every event of the process. Request ids are bound per event."""
+def configure_logging(level: str | None = None, stream: TextIO | None = None, **bound: str) -> None:
+    """Route every structlog logger to `stream` (default stderr; stdout carries only the readiness and
+    progress lines) at `level` (else $SPLITSERVE_LOG_LEVEL, else info) and bind `bound` (role,
+    worker_id) to every event of the process. Request ids are bound per event."""
     level = level or os.environ.get("SPLITSERVE_LOG_LEVEL", "info")
+    stream = stream if stream is not None else sys.stderr
     renderer: structlog.types.Processor = (
-        structlog.dev.ConsoleRenderer() if sys.stderr.isatty() else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer() if stream.isatty() else structlog.processors.JSONRenderer()
     )
     structlog.configure(
         processors=[
@@ -26,7 +29,7 @@ def configure_logging(level: str | None = None, **bound: str) -> None:
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelName(level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=True,
     )
     structlog.contextvars.clear_contextvars()

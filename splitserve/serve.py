@@ -5,21 +5,25 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from pathlib import Path
 
-from splitserve.cluster import ClusterSpec, LocalCluster
+from engine.model_dir import MODEL_HELP
+from splitserve.cluster import ClusterSpec
+from splitserve.launch import choose_log_dir, say, started
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `demo`."""
-    parser.add_argument("--model", default="tiny", help="checkpoint directory, or tiny[:SHAPE]")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help=MODEL_HELP)
     parser.add_argument("--prefill-workers", type=int, default=1)
     parser.add_argument("--decode-workers", type=int, default=1)
     parser.add_argument("--mode", choices=["disaggregated", "colocated"], default="disaggregated")
     parser.add_argument("--transfer-backend", choices=["ucx", "tcp"], default="tcp")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument(
-        "--log-dir", type=Path, default=None, help="one log file per process (default: stderr)"
+        "--log-dir",
+        default=None,
+        help="one log file per process in this directory, or '-' for stderr "
+        "(default: files under $SPLITSERVE_CACHE/logs/ on a terminal and for demo, else stderr)",
     )
     parser.add_argument(
         "--insecure-control-plane",
@@ -36,10 +40,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
+def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -> ClusterSpec:
     from engine.model_dir import resolve_model_dir
+    from splitserve.logs import configure_logging
 
-    model = str(resolve_model_dir(args.model))  # build the tiny model once, before the workers race for it
+    configure_logging(level="warning")  # the launcher's own logs until `started` opens its log file
+    # fetch/convert/build the model once, before the workers race for it
+    model = str(resolve_model_dir(args.model, say=say))
     return ClusterSpec(
         model=model,
         prefill_workers=args.prefill_workers,
@@ -49,7 +56,7 @@ def cluster_spec(args: argparse.Namespace) -> ClusterSpec:
         port=getattr(args, "port", 0),
         http_port=getattr(args, "http_port", 0),
         transfer_backend=args.transfer_backend,
-        log_dir=args.log_dir,
+        log_dir=choose_log_dir(args.log_dir, log_files_by_default),
         insecure_control_plane=bool(args.insecure_control_plane),
     )
 
@@ -59,15 +66,14 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    cluster = LocalCluster(spec)
-    cluster.start()
-    workers = ", ".join(p.name for p in cluster.processes[1:])
-    print(
-        f"splitserve: serving {spec.model} on {cluster.grpc_address} (gRPC) and "
-        f"http://{cluster.http_address}/v1 (OpenAI) ({workers}); Ctrl-C drains and stops",
-        flush=True,
-    )
-    stop.wait()  # protects nothing but the process's life: the servers run in the children
-    codes = cluster.stop()
+    with started(spec) as cluster:
+        workers = ", ".join(p.name for p in cluster.processes[1:])
+        print(
+            f"splitserve: serving {spec.model} on {cluster.grpc_address} (gRPC) and "
+            f"http://{cluster.http_address}/v1 (OpenAI) ({workers}); Ctrl-C drains and stops",
+            flush=True,
+        )
+        stop.wait()  # protects nothing but the process's life: the servers run in the children
+        codes = cluster.stop()
     print(f"splitserve: stopped ({', '.join(f'{k}={v}' for k, v in codes.items())})", flush=True)
     return 0 if all(code == 0 for code in codes.values()) else 1

@@ -183,11 +183,16 @@ def run_worker(args: argparse.Namespace, role: str) -> int:
 async def _main(settings: WorkerSettings) -> int:
     from engine.loader import load_model
     from engine.model_dir import resolve_model_dir
+    from splitserve.progress import announce
 
     cfg = settings.engine
-    model_dir = await asyncio.to_thread(resolve_model_dir, settings.model)
+    announce("preparing the model")
+    model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, announce)
+    announce(f"loading {model_dir.name}")
     loaded = await asyncio.to_thread(load_model, model_dir, dtype=cfg.torch_dtype, device=cfg.device)
+    announce("allocating the KV cache, loading kernels")  # the engine's runner loads the CPU kernels
     worker = Worker(settings, loaded)
+    announce("registering with the coordinator")
     try:
         info = await worker.start()
     except (RegistrationError, ControlKeyError) as exc:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from engine.config import EngineConfig
 from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
+from engine.model_dir import MODEL_HELP
 
 ROLES = ("prefill", "decode", "colocated")
 
@@ -78,7 +79,7 @@ def default_served_name(model: str) -> str:
 def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = False) -> None:
     """The flags of `splitserve prefill|decode`; `with_mode` adds `--mode decode|colocated`."""
     a = parser.add_argument
-    a("--model", required=True, help="checkpoint directory, or tiny[:SHAPE] for the built-in model")
+    a("--model", required=True, help=MODEL_HELP)
     a("--served-model-name", default="", help="model name to register (default: as the coordinator)")
     a("--coordinator", required=True, help="the coordinator's control endpoint HOST:PORT")
     a("--worker-id", default="", help="unique worker id (default: ROLE-HOSTNAME-PID)")

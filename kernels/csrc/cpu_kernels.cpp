@@ -1,6 +1,8 @@
 // The float32 CPU twins of two Triton kernels, with the semantics of their torch references:
 // paged decode attention (one new token per sequence, KV blocks read in place through the block
-// table: no gather into a padded copy) and the KV slot write. kernels/cpu_ext.py builds this file.
+// table: no gather into a padded copy) and the KV slot write. setup.py builds this file (and
+// kernels/cpu_ext.py as a fallback) with -DSPLITSERVE_SOURCE_DIGEST=d<sha256 of the sources>, which the
+// module exports so that a library older than the source is never loaded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -390,7 +392,14 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
   return out;
 }
 
+#ifndef SPLITSERVE_SOURCE_DIGEST
+#define SPLITSERVE_SOURCE_DIGEST unknown
+#endif
+#define SPLITSERVE_STR2(x) #x
+#define SPLITSERVE_STR(x) SPLITSERVE_STR2(x)
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.attr("source_digest") = SPLITSERVE_STR(SPLITSERVE_SOURCE_DIGEST);
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, float32, CPU");
   m.def("rms_norm", &rms_norm, "RMSNorm, float32, CPU");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32, CPU");
