@@ -11,8 +11,8 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
-from splitserve.control_flags import add_control_security_arguments
 from engine.model_dir import MODEL_HELP
+from splitserve.control_flags import add_control_security_arguments
 
 if TYPE_CHECKING:
     from coordinator.app import CoordinatorConfig

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from engine.config import EngineConfig
-from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
 from engine.model_dir import MODEL_HELP
+from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
 
 ROLES = ("prefill", "decode", "colocated")
 
