@@ -4,7 +4,7 @@ kvtransfer owns the transport (UCX or TCP), the layout descriptor and the transf
 module creates them for a worker: one listener, one cached `kvtransfer.Peer` per peer worker (connected
 when the peer appears, reused by every request), and the block references a session holds.
 
-Trust (docs/security-kv.md): the listener's transfer key goes out in Register only, and the decode
+Trust (docs/security.md ("The KV data plane")): the listener's transfer key goes out in Register only, and the decode
 side connects with the key the prefill worker's WorkerEndpoint carries, so only processes the
 authenticated control plane told about a worker can pair with it; each session's secret (drawn by D,
 sent to P in Reserved) keeps everyone else's messages out of its posted receives.
