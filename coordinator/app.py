@@ -177,7 +177,7 @@ class Coordinator:
             self.health_server, self.health_address = await self._listen(
                 [], cfg.health_host, cfg.health_port, None
             )
-        routes = OpenAIRoutes(self.admission, self.dispatcher, self.metrics)
+        routes = OpenAIRoutes(self.admission, self.dispatcher, self.metrics, self.serving)
         # the same TLS files and client-certificate rule as gRPC (one way in for both doors)
         self.http = HttpServer(
             routes.app,
@@ -259,13 +259,17 @@ class Coordinator:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def serving(self) -> bool:
+        """The health rule of both doors: a ready prefill + decode pair (or a colocated worker), not
+        draining, and the control plane alive."""
+        return self.registry.can_serve() and not self.dispatcher.draining and not self.failed
+
     async def _sync_health(self) -> None:
         """SERVING while a prefill + decode pair (or a colocated worker) of the model is READY."""
         async with self._health_lock:
-            serving = self.registry.can_serve() and not self.dispatcher.draining and not self.failed
             status = (
                 health_pb2.HealthCheckResponse.SERVING
-                if serving
+                if self.serving()
                 else health_pb2.HealthCheckResponse.NOT_SERVING
             )
             for service in ("", *SERVICE_NAMES):

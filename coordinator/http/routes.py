@@ -61,10 +61,17 @@ def credentials(request: Request) -> Metadata:
 class OpenAIRoutes:
     """Created by the coordinator app with its admission and dispatcher; `app` is the ASGI app."""
 
-    def __init__(self, admission: Admission, dispatcher: Dispatcher, metrics: CoordinatorMetrics) -> None:
+    def __init__(
+        self,
+        admission: Admission,
+        dispatcher: Dispatcher,
+        metrics: CoordinatorMetrics,
+        serving: Callable[[], bool],
+    ) -> None:
         self.admission = admission
         self.dispatcher = dispatcher
         self.metrics = metrics
+        self.serving = serving  # the coordinator's one health rule, shared with gRPC health
         self.created = int(time.time())
         self.app = Starlette(
             routes=[
@@ -86,7 +93,7 @@ class OpenAIRoutes:
 
     # -- probes and models ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        serving = self.dispatcher.registry.can_serve() and not self.dispatcher.draining
+        serving = self.serving()
         return JSONResponse({"status": "serving" if serving else "not_serving"}, 200 if serving else 503)
 
     async def list_models(self, request: Request) -> Response:
