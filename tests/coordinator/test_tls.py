@@ -6,11 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import ssl
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
+import httpx2
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -90,6 +92,32 @@ async def test_mtls_requires_a_client_certificate_from_the_client_ca(
     await fails_unavailable(models_via(address, ClientTls(ca=pki.ca)))  # no client certificate
     foreign = ClientTls(ca=pki.ca, cert=other_pki.client_cert, key=other_pki.client_key)
     await fails_unavailable(models_via(address, foreign))
+
+
+async def http_models(cluster: Cluster, key: str, pki: Pki, client_cert: bool = True) -> int:
+    """GET /v1/models over HTTPS trusting `pki.ca`, with or without the client certificate."""
+    context = ssl.create_default_context(cafile=str(pki.ca))
+    if client_cert:
+        context.load_cert_chain(pki.client_cert, pki.client_key)
+    url = f"https://{cluster.app.http_address}/v1/models"
+    async with httpx2.AsyncClient(timeout=10, verify=context) as client:
+        return (await client.get(url, headers={"Authorization": f"Bearer {key}"})).status_code
+
+
+async def test_both_doors_take_the_same_tls_files_client_rule_and_api_keys(
+    start_cluster: StartCluster, pki: Pki
+) -> None:
+    cluster = await start_cluster(api_keys=("door-key",), **tls_settings(pki, mutual=True))
+    good = ClientTls(ca=pki.ca, cert=pki.client_cert, key=pki.client_key)
+    async with Client(cluster.app.grpc_address, tls=good, api_key="door-key") as client:
+        assert [m.name for m in await client.list_models()] == ["tiny"]
+    assert await http_models(cluster, "door-key", pki) == 200
+    assert await http_models(cluster, "other", pki) == 401
+    with pytest.raises(httpx2.HTTPError):  # mTLS: no client certificate, no handshake
+        await http_models(cluster, "door-key", pki, client_cert=False)
+    with pytest.raises(httpx2.HTTPError):  # plaintext to the TLS listener
+        async with httpx2.AsyncClient(timeout=10) as plain:
+            await plain.get(f"http://{cluster.app.http_address}/v1/models")
 
 
 async def run_cli(*args: str) -> tuple[int, str, str]:
