@@ -128,7 +128,7 @@ class ControlPlane:
             return
         info = self.registry.get(sender)
         if info is None or info.register.endpoint.control_public_key != msg.user_id:
-            self.socket.drop("unauthenticated", sender=sender, kind=kind)
+            self.socket.drop("unregistered" if info is None else "unauthenticated", sender=sender, kind=kind)
             return
         if kind == "heartbeat":
             self._heartbeat(sender, env.heartbeat)
