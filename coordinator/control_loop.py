@@ -108,7 +108,9 @@ class ControlPlane:
             try:
                 self.handle(msg)
             except Exception as exc:  # one bad message must not stop the control plane
-                self.socket.drop("handler_error", sender=msg.sender, kind=msg.kind, error=repr(exc)[:200])
+                self.socket.drop(
+                    "handler_error", sender=msg.sender, kind=msg.kind, error=repr(exc)[:200], exc_info=True
+                )
 
     async def _sweep(self) -> None:
         # a timer, not a synchronization: staleness is defined by elapsed time
@@ -128,7 +130,7 @@ class ControlPlane:
             return
         info = self.registry.get(sender)
         if info is None or info.register.endpoint.control_public_key != msg.user_id:
-            self.socket.drop("unauthenticated", sender=sender, kind=kind)
+            self.socket.drop("unregistered" if info is None else "unauthenticated", sender=sender, kind=kind)
             return
         if kind == "heartbeat":
             self._heartbeat(sender, env.heartbeat)

@@ -242,7 +242,9 @@ class ControlPlane:
                     continue
                 await self.role.handle(msg)
             except Exception as exc:  # one bad message must not stop this reader
-                sock.drop("handler_error", sender=msg.sender, kind=msg.kind, error=repr(exc)[:200])
+                sock.drop(
+                    "handler_error", sender=msg.sender, kind=msg.kind, error=repr(exc)[:200], exc_info=True
+                )
 
     async def _handle_own(self, msg: Received) -> bool:
         """The messages the control plane answers itself; False hands the message to the role."""
