@@ -70,11 +70,12 @@ def attack_tcp(spec: dict[str, Any]) -> dict[str, Any]:
     host, port = spec["target"].rsplit(":", 1)
     result: dict[str, Any] = {}
     # 1. Frames with no hello at all: the target must read them as a (malformed) hello and hang up.
-    with socket.create_connection((host, int(port)), timeout=30) as raw:
-        with contextlib.suppress(OSError):
-            raw.sendall(_frames(spec))
-        with contextlib.suppress(OSError):
-            result["raw_reply"] = raw.recv(1).hex()  # b"" once the target closed
+    if spec["messages"]:
+        with socket.create_connection((host, int(port)), timeout=30) as raw:
+            with contextlib.suppress(OSError):
+                raw.sendall(_frames(spec))
+            with contextlib.suppress(OSError):
+                result["raw_reply"] = raw.recv(1).hex()  # b"" once the target closed
     # 2. A valid-looking hello with a forged proof, then the frames anyway.
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(_LEN.pack(len(hello := _hello(spec))) + hello)
