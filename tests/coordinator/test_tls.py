@@ -92,10 +92,11 @@ async def test_mtls_requires_a_client_certificate_from_the_client_ca(
     await fails_unavailable(models_via(address, foreign))
 
 
-async def run_cli(*args: str) -> tuple[int, str, str]:
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`splitserve ARGS` as a process (bounded): exit code, stdout, stderr."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "splitserve.cli", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode is not None

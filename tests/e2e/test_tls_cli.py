@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-import os
-import sys
 from collections.abc import Callable
 
 import pytest
 from transformers import AutoTokenizer
 
 from splitserve.cluster import LocalCluster
+from tests.coordinator.test_tls import run_cli
 from tests.e2e.conftest import API_KEY, client_tls
 
 pytestmark = pytest.mark.xdist_group("e2e-cluster")
-
-
-async def run_cli(*args: str) -> tuple[int, str, str]:
-    env = {**os.environ, "SPLITSERVE_API_KEY": API_KEY}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "splitserve.cli", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
-    )  # fmt: skip
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    assert proc.returncode is not None
-    return proc.returncode, out.decode(), err.decode()
 
 
 async def test_cli_chat_over_mtls_matches_transformers_greedy(
@@ -48,10 +35,10 @@ async def test_cli_chat_over_mtls_matches_transformers_greedy(
         "--tls-ca",
         str(tls.ca),
     ]
-    code, out, err = await run_cli(
-        "chat", question, *common, "--tls-cert", str(tls.cert), "--tls-key", str(tls.key)
-    )
+    key = {"SPLITSERVE_API_KEY": API_KEY}
+    cert = ["--tls-cert", str(tls.cert), "--tls-key", str(tls.key)]
+    code, out, err = await run_cli("chat", question, *common, *cert, env=key)
     assert code == 0, err
     assert out == want
-    code, _, err = await run_cli("chat", question, *common)  # mTLS: no client certificate, no call
+    code, _, err = await run_cli("chat", question, *common, env=key)  # mTLS: no client certificate, no call
     assert code == 1 and "UNAVAILABLE" in err
