@@ -120,10 +120,11 @@ async def test_both_doors_take_the_same_tls_files_client_rule_and_api_keys(
             await plain.get(f"http://{cluster.app.http_address}/v1/models")
 
 
-async def run_cli(*args: str) -> tuple[int, str, str]:
+async def run_cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """`splitserve ARGS` as a process (bounded): exit code, stdout, stderr."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "splitserve.cli", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, **(env or {})},
     )  # fmt: skip
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     assert proc.returncode is not None

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from coordinator.tls import ClientTls
 from splitserve.client import Client
 from splitserve.cluster import ClusterSpec, LocalCluster
 from splitserve.v1 import serving_pb2
+from tests.certs import make_pki
 from tests.hf_reference import HFGreedy
 
 API_KEY = "e2e-secret"
@@ -33,13 +35,23 @@ def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
 
 @pytest.fixture(scope="session")
 def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
-    """1 prefill + 2 decode workers over UCX, API key required."""
+    """1 prefill + 2 decode workers over UCX, API key required, gRPC over mutual TLS."""
+    pki = make_pki(tmp_path_factory.mktemp("pki"))
+    tls = [
+        "--tls-cert",
+        str(pki.server_cert),
+        "--tls-key",
+        str(pki.server_key),
+        "--tls-client-ca",
+        str(pki.ca),
+    ]
     spec = ClusterSpec(
         model=str(model_dir),
         prefill_workers=1,
         decode_workers=2,
         transfer_backend="ucx",
         env=dict(KEYS_ENV),
+        coordinator_args=tls,
         prefill_args=["--max-num-batched-tokens", "96", "--block-size", "4"],
         decode_args=["--block-size", "4"],
     )
@@ -49,8 +61,19 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
 
 
-def client_for(cluster: LocalCluster, api_key: str | None = API_KEY) -> Client:
-    return Client(cluster.grpc_address, api_key=api_key, admin_key=ADMIN_KEY)
+def client_tls(cluster: LocalCluster) -> ClientTls | None:
+    """The CA and client certificate of a cluster started with --tls-client-ca (tests.certs layout)."""
+    args = cluster.spec.coordinator_args
+    if "--tls-client-ca" not in args:
+        return None
+    ca = Path(args[args.index("--tls-client-ca") + 1])
+    return ClientTls(ca=ca, cert=ca.parent / "client.crt", key=ca.parent / "client.key")
+
+
+def client_for(cluster: LocalCluster, api_key: str | None = API_KEY, model: str = "") -> Client:
+    return Client(
+        cluster.grpc_address, api_key=api_key, admin_key=ADMIN_KEY, model=model, tls=client_tls(cluster)
+    )
 
 
 async def wait_quiescent(client: Client, timeout: float = 30.0) -> serving_pb2.GetPoolStateResponse:

@@ -10,7 +10,6 @@ import grpc
 import pytest
 from grpc_status import rpc_status
 
-from splitserve.client import Client
 from splitserve.cluster import LocalCluster
 from tests.e2e.conftest import API_KEY, assert_pools_clean, client_for, wait_quiescent
 
@@ -83,7 +82,7 @@ async def _expect_rejection(
     kwargs = dict(kwargs)
     prompt = kwargs.pop("prompt", "Hello")
     model = kwargs.pop("model", "")
-    async with Client(cluster.grpc_address, api_key=key, model=model) as client:
+    async with client_for(cluster, key, model) as client:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await client.complete(prompt, **{"max_tokens": 4, **kwargs})
     err = caught.value
