@@ -142,9 +142,7 @@ async def start_cluster(served_model: ServedModel) -> AsyncIterator[Callable[...
 
     async def start(**overrides: Any) -> Cluster:
         settings: dict[str, Any] = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 5000} | overrides
-        config = CoordinatorConfig(
-            model="tiny", port=0, control_port=0, metrics_port=0, http_port=0, **settings
-        )
+        config = CoordinatorConfig(model="tiny", port=0, control_port=0, metrics_port=0, **settings)
         app = Coordinator(config, model=served_model)
         await app.start()
         clusters.append(Cluster(app, served_model))
