@@ -66,7 +66,7 @@ class CoordinatorConfig:
     control_host: str = "127.0.0.1"
     control_port: int = 5555
     metrics_port: int = 9100
-    http_port: int = 8000
+    http_port: int = 0  # the CLI's --http-port defaults to 8000; in-process coordinators take a free port
     api_keys: tuple[str, ...] = ()  # entries: a key or `sha256:<hex>`; none = one anonymous principal
     admin_keys: tuple[str, ...] = ()  # none = AdminService disabled
     admin_host: str = "127.0.0.1"

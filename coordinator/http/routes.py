@@ -132,8 +132,8 @@ class OpenAIRoutes:
         parsed: OpenAIRequest | None = None
         try:
             metadata = self._authenticate(request)
+            remaining = _deadline(request)  # from arrival, like a gRPC deadline
             body = await self._body(request)
-            remaining = _deadline(request)
             request_id = request.headers.get("x-request-id", "")
             parsed = parse_chat(body, request_id) if chat else parse_completion(body, request_id)
             if isinstance(parsed.message, serving_pb2.ChatRequest):

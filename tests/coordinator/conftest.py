@@ -178,9 +178,7 @@ async def start_cluster(
             "control_authorized_keys": str(keys.authorized_dir),
             "admin_keys": (ADMIN_KEY,),
         } | overrides
-        config = CoordinatorConfig(
-            model="tiny", port=0, control_port=0, metrics_port=0, http_port=0, **settings
-        )
+        config = CoordinatorConfig(model="tiny", port=0, control_port=0, metrics_port=0, **settings)
         app = Coordinator(config, model=served_model)
         await app.start()
         clusters.append(Cluster(app, served_model, keys))
