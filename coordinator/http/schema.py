@@ -95,22 +95,19 @@ class _Body:
         return value
 
     def strings(self, name: str) -> list[str]:
+        """A string or a list of strings (None: empty)."""
         value = self.data.get(name)
-        if value is None:
-            return []
-        if isinstance(value, str):
-            return [value]
-        if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        value = [value] if isinstance(value, str) else value
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
             raise invalid(name, f"{name} must be a string or a list of strings")
-        return value
+        return value or []
 
     def integers(self, name: str) -> list[int]:
+        """A list of token ids (None: empty)."""
         value = self.data.get(name)
-        if value is None:
-            return []
-        if not _is_id_list(value):
+        if value is not None and not _is_id_list(value):
             raise invalid(name, f"{name} must be a list of non-negative integers")
-        return list(value)
+        return list(value or [])
 
 
 def parse_chat(body: object, request_id: str = "") -> OpenAIRequest:
