@@ -168,3 +168,19 @@ def test_plaintext_off_loopback_needs_the_explicit_flag(pki: Pki) -> None:
     CoordinatorConfig(model="tiny", host="::1")
     with pytest.raises(ValueError, match="--tls-cert"):
         CoordinatorConfig(model="tiny", tls_client_ca=str(pki.ca))
+
+
+def test_the_ssl_context_for_an_http_listener_uses_the_same_files_and_client_rule(pki: Pki) -> None:
+    import ssl
+
+    from coordinator.tls import server_tls
+
+    mutual = server_tls(str(pki.server_cert), str(pki.server_key), str(pki.ca))
+    assert mutual is not None and mutual.mutual
+    context = mutual.ssl_context()
+    assert context.verify_mode == ssl.CERT_REQUIRED and context.minimum_version >= ssl.TLSVersion.TLSv1_2
+    plain = server_tls(str(pki.server_cert), str(pki.server_key), None)
+    assert plain is not None and plain.ssl_context().verify_mode == ssl.CERT_NONE
+    with pytest.raises(ValueError, match="both"):
+        server_tls(str(pki.server_cert), None, None)
+    assert server_tls(None, None, None) is None
