@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -102,8 +103,10 @@ async def test_every_malformed_frame_is_dropped_and_counted_and_the_router_keeps
             got = await asyncio.wait_for(router.recv(), 10)  # the router still serves
             assert got.sender == "prefill-0" and got.envelope == GOOD, case.name
         await drain_drops(router, drops, len(EXPECTED_REASON))
-        for case, reason in zip([c for c in named_cases() if c.name in EXPECTED_REASON], drops, strict=False):
-            assert reason in EXPECTED_REASON[case.name], (case.name, reason)
+        # frames from different connections are fair-queued: compare counts, not order
+        counts = Counter(drops)
+        assert counts["frame_count"] == 1 and counts["routing_id"] == 2, counts
+        assert counts["decode"] >= 1 and counts["kind"] >= 2, counts
         assert len(drops) == len(EXPECTED_REASON)  # the 32 MiB frame never reached Python
     finally:
         attacker.close()
