@@ -16,7 +16,7 @@ A is the only side that ever registers a peer under a claimed address, and only 
 verified, so an outsider can neither be cached as a peer (and read sends meant for a real worker) nor
 have its bytes read as KV. Every message is one JSON object of at most HELLO_MAX_BYTES; anything else
 is refused as "malformed" before it is parsed further. Refusal reasons (the `reason` label of the
-metric): malformed, version, auth, layout, timeout, closed.
+metric): malformed, version, auth, layout, timeout, closed, busy (too many hellos in progress).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ PROTOCOL_VERSION = 2
 KEY_BYTES = 32
 NONCE_BYTES = 16
 HELLO_MAX_BYTES = 4096
-REFUSAL_REASONS = ("malformed", "version", "auth", "layout", "timeout", "closed")
+REFUSAL_REASONS = ("malformed", "version", "auth", "layout", "timeout", "closed", "busy")
 
 
 class HelloRefused(TransportError):
@@ -83,10 +83,14 @@ def _decode(data: bytes, fields: dict[str, type]) -> dict[str, Any]:
         raise HelloRefused("malformed", f"not JSON: {e}") from None
     if not isinstance(msg, dict):
         raise HelloRefused("malformed", "not a JSON object")
+    _require(msg, fields)
+    return msg
+
+
+def _require(msg: dict[str, Any], fields: dict[str, type]) -> None:
     for name, kind in fields.items():
         if not isinstance(msg.get(name), kind):
             raise HelloRefused("malformed", f"field {name!r} missing or not {kind.__name__}")
-    return msg
 
 
 def _hex(msg: dict[str, Any], name: str, size: int) -> bytes:
@@ -108,7 +112,7 @@ async def accept(channel: HelloChannel, layout: KVLayout, key: bytes) -> str:
     telling the peer why, where the peer could act on it)."""
     hello = _decode(await channel.recv(), {"address": str, "nonce": str})
     if hello.get("version") != PROTOCOL_VERSION:
-        error = LayoutMismatch("protocol version", PROTOCOL_VERSION, hello.get("version"))
+        error = LayoutMismatch("protocol version", PROTOCOL_VERSION, repr(hello.get("version"))[:64])
         await channel.send(
             _encode({"ok": False, "field": error.field, "ours": error.ours, "theirs": error.theirs})
         )

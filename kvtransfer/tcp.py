@@ -243,7 +243,12 @@ class TcpTransport(Transport):
         assert self._server is not None
         loop = asyncio.get_running_loop()
         while True:
-            sock, _ = await loop.sock_accept(self._server)
+            try:
+                sock, _ = await loop.sock_accept(self._server)
+            except OSError as e:  # e.g. out of file descriptors: keep listening
+                self._refusals.warning("accept failed", backend=self.backend, detail=repr(e))
+                await asyncio.sleep(0.1)  # backoff, not synchronization: EMFILE would spin the loop
+                continue
             self._tune(sock)
             task = asyncio.ensure_future(self._handshake_accepted(sock))
             task.add_done_callback(lambda t: t.cancelled() or t.exception())

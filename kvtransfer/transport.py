@@ -114,6 +114,7 @@ class Transport(ABC):
     """
 
     backend: str = ""
+    max_pending_hellos: int = 64
 
     def __init__(self, layout: KVLayout, key: bytes | None = None) -> None:
         self.layout = layout
@@ -124,6 +125,7 @@ class Transport(ABC):
         self.refused: Counter[str] = Counter()
         self.on_refused: Callable[[str], None] = lambda reason: None
         self._refusals = hello.RateLimitedLog("kv connection refused")
+        self._pending_hellos = 0
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
 
@@ -173,19 +175,29 @@ class Transport(ABC):
     async def _accept(self, channel: HelloChannel, timeout_s: float) -> str | None:
         """Accepting side of the hello, bounded by `timeout_s`: the authenticated peer's address, or
         None after a refusal (counted in `refused` by reason and logged rate-limited). The caller
-        closes the connection on None and never reads or posts anything on it."""
+        closes the connection on None and never reads or posts anything on it. At most
+        `max_pending_hellos` run at once (more are refused as "busy"), so connections that never
+        finish a hello cannot exhaust the process's sockets."""
+        if self._pending_hellos >= self.max_pending_hellos:
+            self._refuse("busy", f"{self._pending_hellos} hellos already in progress")
+            return None
+        self._pending_hellos += 1
         try:
             return await asyncio.wait_for(hello.accept(channel, self.layout, self.key), timeout_s)
         except HelloRefused as e:
-            reason, detail = e.reason, str(e)
+            self._refuse(e.reason, str(e))
         except TimeoutError:
-            reason, detail = "timeout", f"no complete hello within {timeout_s} s"
+            self._refuse("timeout", f"no complete hello within {timeout_s} s")
         except (ConnectionError, OSError) as e:
-            reason, detail = "closed", repr(e)
+            self._refuse("closed", repr(e))
+        finally:
+            self._pending_hellos -= 1
+        return None
+
+    def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1
         self.on_refused(reason)
         self._refusals.warning(reason, backend=self.backend, detail=detail)
-        return None
 
     async def _hello(self, channel: HelloChannel, key: bytes, timeout_s: float) -> None:
         """Connecting side of the hello, bounded by `timeout_s` (TimeoutError)."""

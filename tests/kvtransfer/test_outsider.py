@@ -198,3 +198,28 @@ async def test_silent_connection_is_dropped_at_the_hello_timeout() -> None:
         assert transport.refused == {"timeout": 1}
     finally:
         await transport.close()
+
+
+async def test_hellos_in_progress_are_bounded(listener: TcpTransport) -> None:
+    listener.max_pending_hellos = 2
+    host, port = listener.address.rsplit(":", 1)
+    silent = [await asyncio.open_connection(host, int(port)) for _ in range(3)]  # send no hello
+    try:
+        while listener.refused["busy"] < 1:
+            await asyncio.sleep(0.005)  # poll interval; bounded by the test timeout
+        other = TcpTransport(LAYOUT)
+        await other.start()
+        try:  # a real peer is refused too while they hold the slots, and pairs once they are gone
+            with pytest.raises(TransportError, match="closed"):
+                await other.connect(listener.address, listener.key)
+            for _, writer in silent:
+                writer.close()
+            while listener._pending_hellos:
+                await asyncio.sleep(0.005)  # poll interval; bounded by the test timeout
+            assert (await other.connect(listener.address, listener.key)).address == listener.address
+        finally:
+            await other.close()
+    finally:
+        for _, writer in silent:
+            writer.close()
+    assert listener.refused["busy"] == 2
