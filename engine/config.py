@@ -15,6 +15,12 @@ class EngineConfig:
 
     `num_blocks` fixes the KV pool size; when None it is derived from `kv_cache_memory_bytes`.
     `max_num_batched_tokens` is the per-step token budget that chunked prefill and decode share.
+
+    Role policy (set by the role that builds the engine, never changed after construction):
+    `prefill_only` finishes a sequence after its first sample (its `finish_reason` is its stop reason,
+    or None when decoding goes on elsewhere); `keep_blocks_on_finish` keeps a normally finished
+    sequence's blocks until the owner calls `LLMEngine.release` (the prefill worker still ships them).
+    Aborted and preempted sequences always release at once.
     """
 
     block_size: int = 16
@@ -27,6 +33,8 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     debug_integrity: bool = False
+    prefill_only: bool = False
+    keep_blocks_on_finish: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

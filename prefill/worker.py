@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import structlog
 
+from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, finish_reason, sampling_params
 from engine.worker.record import RequestRecord
@@ -40,12 +42,17 @@ PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
 class PrefillWorker(WorkerRole):
     """Owns the prefill worker's jobs (`records`: rid -> PrefillJob) and the early Reserved messages."""
 
-    def __init__(self, parts: WorkerParts, plane: TransferPlane) -> None:
+    @classmethod
+    def engine_config(cls, config: EngineConfig) -> EngineConfig:
+        """Finish after the first token; keep the KV past the prefill, it is shipped (then `release`)."""
+        return replace(config, prefill_only=True, keep_blocks_on_finish=True)
+
+    def __init__(self, parts: WorkerParts) -> None:
         super().__init__(parts)
-        self.engine.scheduler.keep_blocks_on_finish = True  # the KV outlives the prefill: it is shipped
-        self.engine.scheduler.prefill_only = True
-        self.plane = plane
-        self.block_size = self.engine.pool.block_size
+        if parts.transfer is None:
+            raise ValueError("a prefill worker needs a KV transfer plane")
+        self.plane: TransferPlane = parts.transfer
+        self.block_size = self.engine.config.block_size
         self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
         self._step_done = asyncio.Event()  # replaced after each step: a broadcast to shipping tasks
 

@@ -17,6 +17,7 @@ from typing import Any, TypeAlias
 
 import structlog
 
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
@@ -26,6 +27,7 @@ from engine.worker.record import RequestRecord
 from engine.worker.runtime import ControlPlane
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
+from engine.worker.transfer import TransferPlane
 from splitserve.control import ControlQueueFull, DropLog, Received, envelope
 from splitserve.v1 import control_pb2, serving_pb2
 
@@ -44,11 +46,17 @@ class WorkerParts:
     stepper: StepLoop
     control: ControlPlane
     metrics: WorkerMetrics
+    transfer: TransferPlane | None  # the bulk KV plane; None on a colocated worker
 
 
 class WorkerRole:
     """Base class; subclasses implement `handle_<kind>` for the messages they accept, `_release`, and the
-    StepHandler methods."""
+    StepHandler methods, and may override `engine_config` for their engine policy."""
+
+    @classmethod
+    def engine_config(cls, config: EngineConfig) -> EngineConfig:
+        """The engine config this role's worker runs (the flags' config plus the role's policy)."""
+        return config
 
     def __init__(self, parts: WorkerParts) -> None:
         self.settings, self.engine, self.stepper = parts.settings, parts.engine, parts.stepper
