@@ -29,7 +29,7 @@ import structlog
 from engine.kv_manager import cdiv
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, sampling_params
-from engine.worker.record import RequestRecord
+from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
@@ -43,7 +43,7 @@ PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
 
 
 @dataclass(slots=True, eq=False)
-class DecodeRequest(RequestRecord):
+class DecodeRequest(WorkerRequest):
     """A request on the decode worker. `peer` is its prefill worker (None: prefilled here).
     `reserved_blocks` are the ids sent in Reserved (KV positions from `kv_start_token` on)."""
 
@@ -255,7 +255,7 @@ class DecodeWorker(WorkerRole):
 
     # --- ending -------------------------------------------------------------------------------------
 
-    def _release(self, rec: RequestRecord, outcome: str) -> None:
+    def _release(self, rec: WorkerRequest, outcome: str) -> None:
         assert isinstance(rec, DecodeRequest)
         if rec.session is not None and rec.release_session is not None:
             if rec.session.state is SessionState.DONE:
@@ -264,7 +264,7 @@ class DecodeWorker(WorkerRole):
                 rec.session.abort(outcome)  # its references go once every posted receive ended
         self.stepper.release(rec.seq)
 
-    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+    def peer_needs_abort(self, rec: WorkerRequest) -> bool:
         return isinstance(rec, DecodeRequest) and rec.peer is not None and not rec.running
 
     def queue_depths(self) -> dict[str, int]:

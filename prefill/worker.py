@@ -25,7 +25,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, finish_reason, sampling_params
-from engine.worker.record import RequestRecord
+from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
@@ -258,12 +258,12 @@ class PrefillWorker(WorkerRole):
         timer = asyncio.get_running_loop().call_later(lease_s, self._early.pop, r.rid, None)
         self._early[r.rid] = (sender, r, timer)
 
-    def _release(self, rec: RequestRecord, outcome: str) -> None:
+    def _release(self, rec: WorkerRequest, outcome: str) -> None:
         assert isinstance(rec, PrefillJob)
         self._stop_shipping(rec, outcome)
         self.stepper.release(rec.seq)  # freed, or kept findable by the prefix cache
 
-    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+    def peer_needs_abort(self, rec: WorkerRequest) -> bool:
         return isinstance(rec, PrefillJob) and rec.reserved is not None
 
     def queue_depths(self) -> dict[str, int]:

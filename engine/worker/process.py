@@ -23,7 +23,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.worker.metrics import HealthServer, WorkerMetrics
 from engine.worker.role import WorkerParts, WorkerRole
-from engine.worker.runtime import ControlPlane, RegistrationError
+from engine.worker.runtime import RegistrationError, WorkerControl
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
@@ -55,7 +55,7 @@ class Worker:
         self.stepper = StepLoop(self.engine, self.metrics)
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
-        self.control: ControlPlane | None = None
+        self.control: WorkerControl | None = None
         self.role: WorkerRole | None = None
         self._step_task: asyncio.Task[None] | None = None
         self._live_task: asyncio.Task[None] | None = None
@@ -69,7 +69,7 @@ class Worker:
             self.transfer.on_release = self.stepper.wake  # freed blocks may let waiting work run
         self.health = HealthServer(s.advertise_host, s.metrics_port, self.metrics, self._ready)
         self._live_task = asyncio.create_task(self.health.keep_alive(), name="livez")
-        self.control = ControlPlane(
+        self.control = WorkerControl(
             s,
             self.engine.pool,
             kv_layout_proto(self.engine),
@@ -93,7 +93,7 @@ class Worker:
             "transfer_address": self.transfer.address if self.transfer else "",
         }
 
-    def _make_role(self, control: ControlPlane) -> WorkerRole:
+    def _make_role(self, control: WorkerControl) -> WorkerRole:
         parts = WorkerParts(self.settings, self.engine, self.stepper, control, self.metrics, self.transfer)
         return self.role_class(parts)
 
