@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = tuple(_DTYPES)
 
 
 @dataclass(slots=True)
