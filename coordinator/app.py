@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection
 from coordinator.admission import Admission
 from coordinator.auth import Authenticator, KeyRing
 from coordinator.chat import TemplateLimits, TokenizerThread
-from coordinator.control_loop import ControlPlane, Outbox
+from coordinator.control_loop import CoordinatorControl, Outbox
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import unavailable
 from coordinator.http.routes import OpenAIRoutes
@@ -146,7 +146,7 @@ class Coordinator:
             max_queue=cfg.max_queue,
             retry_after_s=max(cfg.heartbeat_interval_ms / 1e3, 0.1),
         )
-        self.plane = ControlPlane(
+        self.plane = CoordinatorControl(
             self.socket,
             outbox,
             self.registry,

@@ -63,8 +63,9 @@ class Outbox:
         await self._queue.join()
 
 
-class ControlPlane:
-    """Owned by the coordinator app; runs three tasks (receive, send, staleness sweep) on its loop."""
+class CoordinatorControl:
+    """The coordinator's end of the control plane (the worker's is `engine.worker.runtime.WorkerControl`).
+    Owned by the coordinator app; runs three tasks (receive, send, staleness sweep) on its loop."""
 
     def __init__(
         self,

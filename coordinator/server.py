@@ -19,7 +19,7 @@ import structlog
 
 from coordinator.admission import Admission, AdmittedRequest
 from coordinator.auth import Authenticator, bearer_from_metadata
-from coordinator.control_loop import ControlPlane
+from coordinator.control_loop import CoordinatorControl
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import RpcError, clip, empty_prompt
 from coordinator.metrics import CoordinatorMetrics
@@ -178,7 +178,7 @@ class AdminServicer(serving_pb2_grpc.AdminServiceServicer):
     """Operator introspection, the only service that shows worker addresses: admin key only
     (`Authenticator.authorize_admin`), disabled while no admin key is configured."""
 
-    def __init__(self, auth: Authenticator, plane: ControlPlane, metrics: CoordinatorMetrics) -> None:
+    def __init__(self, auth: Authenticator, plane: CoordinatorControl, metrics: CoordinatorMetrics) -> None:
         self.auth = auth
         self.plane = plane
         self.metrics = metrics

@@ -12,6 +12,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from decode.worker import DecodeWorker
     from engine.worker.process import run_worker
 
-    return run_worker(args, "colocated" if args.mode == "colocated" else "decode")
+    return run_worker(args, "colocated" if args.mode == "colocated" else "decode", DecodeWorker)

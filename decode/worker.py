@@ -29,7 +29,7 @@ import structlog
 from engine.kv_manager import cdiv
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, sampling_params
-from engine.worker.record import RequestRecord
+from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
@@ -43,7 +43,7 @@ PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
 
 
 @dataclass(slots=True, eq=False)
-class DecodeRequest(RequestRecord):
+class DecodeRequest(WorkerRequest):
     """A request on the decode worker. `peer` is its prefill worker (None: prefilled here).
     `reserved_blocks` are the ids sent in Reserved (KV positions from `kv_start_token` on)."""
 
@@ -62,11 +62,11 @@ class DecodeRequest(RequestRecord):
 class DecodeWorker(WorkerRole):
     """Owns the decode worker's requests (`records`: rid -> DecodeRequest) and their reservations."""
 
-    def __init__(self, parts: WorkerParts, plane: TransferPlane | None) -> None:
+    def __init__(self, parts: WorkerParts) -> None:
         super().__init__(parts)
-        self.plane = plane
+        self.plane: TransferPlane | None = parts.transfer
         self.colocated = self.settings.role == "colocated"
-        self.block_size = self.engine.pool.block_size
+        self.block_size = self.engine.config.block_size
 
     # --- coordinator messages -----------------------------------------------------------------------
 
@@ -102,18 +102,12 @@ class DecodeWorker(WorkerRole):
             self.stepper.wake()
 
     async def _reserve(self, r: DecodeRequest) -> None:
-        """All or nothing: own prefix-cache hits, then fresh blocks for the rest of the sequence's KV."""
-        seq, kv = r.seq, self.engine.kv
-        hit = kv.match_prefix(seq)
-        need = cdiv(seq.num_tokens, self.block_size) - len(seq.block_table)
-        ids = self.engine.pool.allocate(need)
+        """All or nothing (`LLMEngine.reserve`): own prefix-cache hits, then fresh blocks for the rest."""
+        ids = self.engine.reserve(r.seq)
         if ids is None:
-            kv.free(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
-            await self._reserve_failed(r.req, self.engine.pool.num_free_blocks)
+            await self._reserve_failed(r.req, self.engine.num_free_blocks)
             return
-        seq.block_table.extend(ids)
-        r.reserved_blocks, r.kv_start_token = ids, hit
+        r.reserved_blocks, r.kv_start_token = ids, r.seq.num_cached_tokens
         self.track(r)
         self.rearm_lease(r, "no KVDone within the lease")
         assert self.plane is not None and r.peer is not None
@@ -136,7 +130,7 @@ class DecodeWorker(WorkerRole):
             generation=r.generation,
             decode_worker_id=self.settings.worker_id,
             block_ids=wire.pack_ids(ids),
-            kv_start_token=hit,
+            kv_start_token=r.kv_start_token,
             lease_ms=self.settings.lease_ms,
             transfer_secret=secret,
         )
@@ -217,11 +211,8 @@ class DecodeWorker(WorkerRole):
         if r.first_chunk_at is not None:
             self.metrics.transfer_seconds.labels("recv").observe(time.monotonic() - r.first_chunk_at)
         await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
-        seq = r.seq
-        seq.num_computed_tokens = seq.num_tokens
-        seq.token_ids.append(token)
         r.running, r.first_token_sent, r.kv_transfer_ms = True, True, r.kv_done.kv_transfer_ms
-        self.engine.add_running(seq)
+        self.engine.join(r.seq, token)
         self.stepper.wake()
 
     # --- engine -------------------------------------------------------------------------------------
@@ -264,7 +255,7 @@ class DecodeWorker(WorkerRole):
 
     # --- ending -------------------------------------------------------------------------------------
 
-    def _release(self, rec: RequestRecord, outcome: str) -> None:
+    def _release(self, rec: WorkerRequest, outcome: str) -> None:
         assert isinstance(rec, DecodeRequest)
         if rec.session is not None and rec.release_session is not None:
             if rec.session.state is SessionState.DONE:
@@ -273,7 +264,7 @@ class DecodeWorker(WorkerRole):
                 rec.session.abort(outcome)  # its references go once every posted receive ended
         self.stepper.release(rec.seq)
 
-    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+    def peer_needs_abort(self, rec: WorkerRequest) -> bool:
         return isinstance(rec, DecodeRequest) and rec.peer is not None and not rec.running
 
     def queue_depths(self) -> dict[str, int]:

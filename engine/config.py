@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch loads only for `torch_dtype`
 
 
 @dataclass(slots=True)
@@ -15,6 +17,12 @@ class EngineConfig:
 
     `num_blocks` fixes the KV pool size; when None it is derived from `kv_cache_memory_bytes`.
     `max_num_batched_tokens` is the per-step token budget that chunked prefill and decode share.
+
+    Role policy (set by the role that builds the engine, never changed after construction):
+    `prefill_only` finishes a sequence after its first sample (its `finish_reason` is its stop reason,
+    or None when decoding goes on elsewhere); `keep_blocks_on_finish` keeps a normally finished
+    sequence's blocks until the owner calls `LLMEngine.release` (the prefill worker still ships them).
+    Aborted and preempted sequences always release at once.
     """
 
     block_size: int = 16
@@ -27,10 +35,12 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     debug_integrity: bool = False
+    prefill_only: bool = False
+    keep_blocks_on_finish: bool = False
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
@@ -38,4 +48,7 @@ class EngineConfig:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype

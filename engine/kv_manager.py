@@ -28,19 +28,24 @@ class KVCacheManager:
 
         At least one token is always left to compute, since its logits are needed for sampling.
         """
-        assert not seq.block_table and seq.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
-        num_full = (seq.num_tokens - 1) // self.block_size
-        self._extend_hashes(seq, num_full)
-        token_blocks = [self._block_tokens(seq, i) for i in range(num_full)]
-        hit = self.pool.lookup(seq.block_hashes[:num_full], token_blocks)
-        del seq.block_hashes[len(hit) :]  # hashes past the hit are registered as blocks get computed
-        self.pool.touch(hit)
-        seq.block_table = list(hit)
-        seq.num_computed_tokens = len(hit) * self.block_size
-        seq.num_cached_tokens = seq.num_computed_tokens
-        return seq.num_computed_tokens
+        return self._share(seq, self._cached_prefix(seq))
+
+    def reserve(self, seq: Sequence) -> list[int] | None:
+        """All or nothing: share a fresh sequence's cached prefix and take fresh blocks for the rest of
+        its `num_tokens` tokens. Returns the fresh ids (they hold KV positions from `num_cached_tokens`
+        on); None when the pool is short, with the sequence and the pool (free-list order included)
+        unchanged."""
+        hit = self._cached_prefix(seq)
+        need = cdiv(seq.num_tokens, self.block_size) - len(hit)
+        revived = sum(1 for block_id in hit if self.pool.ref_count(block_id) == 0)
+        if need > self.pool.num_free_blocks - revived:
+            seq.block_hashes.clear()
+            return None
+        self._share(seq, hit)
+        fresh = self.pool.allocate(need)
+        assert fresh is not None, "counted above"
+        seq.block_table.extend(fresh)
+        return fresh
 
     def allocate_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the table to hold `num_computed_tokens + num_new_tokens`; False (no change) if short."""
@@ -68,6 +73,25 @@ class KVCacheManager:
         if seq.block_table:
             self.pool.free(seq.block_table)
         seq.block_table = []
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Ids of the cached blocks a fresh sequence can share (none without prefix caching); leaves
+        `seq.block_hashes` covering exactly those blocks. Takes no references."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return []
+        num_full = (seq.num_tokens - 1) // self.block_size
+        self._extend_hashes(seq, num_full)
+        token_blocks = [self._block_tokens(seq, i) for i in range(num_full)]
+        hit = self.pool.lookup(seq.block_hashes[:num_full], token_blocks)
+        del seq.block_hashes[len(hit) :]  # hashes past the hit are registered as blocks get computed
+        return hit
+
+    def _share(self, seq: Sequence, hit: list[int]) -> int:
+        self.pool.touch(hit)
+        seq.block_table = list(hit)
+        seq.num_computed_tokens = seq.num_cached_tokens = len(hit) * self.block_size
+        return seq.num_computed_tokens
 
     def slot(self, seq: Sequence, position: int) -> int:
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size

@@ -55,7 +55,10 @@ class LLMEngine:
 
     `add_request` validates and queues; `step` runs one scheduler step and returns per-request
     outputs. Finished and aborted requests have already released every KV block when they are
-    reported.
+    reported, unless `config.keep_blocks_on_finish` keeps a finished one's blocks for `release`.
+    This class is the one door into the engine's state for the workers: sequences enter by
+    `add_request` (prefilled here) or `reserve` + `join` (KV computed elsewhere) and leave by
+    finishing or by `release`; the scheduler, KV manager and pool change only through it.
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
@@ -144,21 +147,44 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def add_running(self, seq: Sequence) -> None:
-        """Join a sequence whose KV is already in its blocks (`Scheduler.add_running`); the engine
-        owns it from now on."""
+    def reserve(self, seq: Sequence) -> list[int] | None:
+        """Hold KV blocks for all of `seq` (from `new_sequence`), whose KV another worker computes: own
+        prefix-cache hits first (`seq.num_cached_tokens` tokens), fresh blocks for the rest. Returns
+        the fresh block ids, or None when the pool is short (nothing changed, nothing held). From here
+        the engine owns `seq` until `release`; `join` starts its decode once the KV has landed."""
         self._check_new(seq.request_id)
-        self._requests[seq.request_id] = seq
-        self.scheduler.add_running(seq)
+        ids = self.scheduler.reserve(seq)
+        if ids is not None:
+            self._requests[seq.request_id] = seq
+        return ids
+
+    def join(self, seq: Sequence, token_id: int) -> None:
+        """Start decoding a reserved `seq` whose KV is in its blocks, from its first token `token_id`
+        (sampled where the prompt was prefilled)."""
+        if self._requests.get(seq.request_id) is not seq:
+            raise ValueError(f"request {seq.request_id!r} is not reserved on this engine")
+        self.scheduler.join(seq, token_id)
+
+    def release(self, seq: Sequence) -> bool:
+        """Take `seq` out of the engine wherever it is and drop every block reference it holds, exactly
+        once. False (nothing done) when the engine no longer holds it, e.g. a second call."""
+        if self._requests.get(seq.request_id) is not seq:
+            return False
+        del self._requests[seq.request_id]
+        self.scheduler.release(seq)
+        return True
 
     def _check_new(self, request_id: str) -> None:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in flight")
 
     def abort_request(self, request_id: str) -> bool:
-        seq = self.scheduler.abort(request_id)
-        self._requests.pop(request_id, None)
-        return seq is not None
+        seq = self._requests.get(request_id)
+        return seq is not None and self.release(seq)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -190,7 +216,7 @@ class LLMEngine:
         outputs = []
         for seq, (token, logprob) in result.sampled.items():
             done = seq in finished
-            if done:
+            if done and not seq.block_table:  # else held until `release` (keep_blocks_on_finish)
                 del self._requests[seq.request_id]
             outputs.append(
                 StepOutput(

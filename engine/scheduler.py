@@ -5,6 +5,10 @@ sample: a prompt (possibly in chunks), a re-prefill after preemption, or the sin
 decode. One step serves running sequences first (oldest first), then admits waiting ones while the
 token budget and the KV pool allow. When the pool is short, the newest running sequence is
 preempted: its blocks are freed and it returns to the front of the queue to be re-prefilled.
+
+A sequence whose KV another worker computes takes a third way in: `reserve` (all or nothing) holds
+blocks for it, `join` puts it in the running list once the KV has landed, with its first token as
+the next input. `release` takes any sequence out, wherever it is, and frees its blocks exactly once.
 """
 
 from __future__ import annotations
@@ -41,22 +45,8 @@ class SchedulerOutput:
 class Scheduler:
     """Owns the waiting queue and running list of one engine; single-threaded (the step loop)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        kv: KVCacheManager,
-        eos_token_ids: tuple[int, ...],
-        *,
-        keep_blocks_on_finish: bool = False,
-        prefill_only: bool = False,
-    ) -> None:
-        """With `keep_blocks_on_finish`, a sequence that finishes normally keeps its block table: the
-        caller (the prefill worker, which still has to ship the KV) frees it with `kv.free(seq)`.
-        Aborted and preempted sequences always release at once. With `prefill_only` (the prefill
-        worker), a sequence finishes after its first sample: `finish_reason` is its stop reason, or
-        None when decoding goes on elsewhere."""
-        self.keep_blocks_on_finish = keep_blocks_on_finish
-        self.prefill_only = prefill_only
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, eos_token_ids: tuple[int, ...]) -> None:
+        """Role policy comes from `config` (`prefill_only`, `keep_blocks_on_finish`)."""
         self.config = config
         self.kv = kv
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -68,9 +58,22 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
 
-    def add_running(self, seq: Sequence) -> None:
-        """Join a sequence whose KV is already in its blocks (the decode worker after a transfer)."""
-        assert seq.num_computed_tokens <= len(seq.block_table) * self.kv.block_size
+    def reserve(self, seq: Sequence) -> list[int] | None:
+        """Hold blocks for all of a fresh sequence's KV, all or nothing (`KVCacheManager.reserve`):
+        the fresh ids, or None with nothing changed."""
+        ids = self.kv.reserve(seq)
+        if ids is not None:
+            seq.status = SequenceStatus.RESERVED
+        return ids
+
+    def join(self, seq: Sequence, token_id: int) -> None:
+        """A reserved sequence's KV has landed in its blocks: it runs, with `token_id` (sampled by the
+        peer, never recomputed) as its next input."""
+        if seq.status is not SequenceStatus.RESERVED:
+            raise ValueError(f"{seq.request_id} is {seq.status.value}, not reserved: it cannot join")
+        assert seq.num_tokens <= len(seq.block_table) * self.kv.block_size
+        seq.num_computed_tokens = seq.num_tokens
+        seq.token_ids.append(token_id)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         self.kv.cache_computed_blocks(seq)
@@ -78,15 +81,17 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Finish a sequence wherever it is and free its blocks; None if the engine does not hold it."""
-        for queue in (self.running, self.waiting):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._finish(seq, FinishReason.ABORT)
-                    return seq
-        return None
+    def release(self, seq: Sequence) -> None:
+        """Take `seq` out wherever it is (queued, reserved, running, finished with its blocks kept) and
+        drop its block references; an unfinished one finishes as aborted. A second call is a no-op."""
+        if seq.status is SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING and seq in self.running:
+            self.running.remove(seq)
+        if seq.is_finished:
+            self.kv.free(seq)
+        else:
+            self._finish(seq, FinishReason.ABORT)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -134,9 +139,9 @@ class Scheduler:
             seq.token_ids.append(token)
             seq.output_logprobs.append(logprob)
             reason = self.stop_reason(seq)
-            if reason is not None or self.prefill_only:
+            if reason is not None or self.config.prefill_only:
                 self.running.remove(seq)
-                self._finish(seq, reason, release=not self.keep_blocks_on_finish)
+                self._finish(seq, reason, release=not self.config.keep_blocks_on_finish)
                 finished.append(seq)
         return finished
 

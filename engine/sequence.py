@@ -12,6 +12,7 @@ from engine.sampling_params import SamplingParams
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    RESERVED = "reserved"  # blocks held for KV that a peer sends; joins the batch with its first token
     RUNNING = "running"
     FINISHED = "finished"
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 from engine.kv_manager import cdiv
 from engine.worker.convert import Finish
-from engine.worker.record import RequestRecord
+from engine.worker.record import WorkerRequest
 from kvtransfer import SendSession
 from kvtransfer.plan import Message
 from splitserve import wire
@@ -28,7 +28,7 @@ from splitserve.v1 import control_pb2, serving_pb2
 
 
 @dataclass(slots=True, eq=False)
-class PrefillJob(RequestRecord):
+class PrefillJob(WorkerRequest):
     """Created by PrefillWorker.on_prefill, changed only by the worker, ended exactly once by the role's
     `_end` (which ends its session and releases `seq`'s blocks: freed, or kept findable by the prefix
     cache). `peer` is the decode worker. `seq` is prompt + output (+ the first token once sampled); its

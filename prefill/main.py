@@ -13,5 +13,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from engine.worker.process import run_worker
+    from prefill.worker import PrefillWorker
 
-    return run_worker(args, "prefill")
+    return run_worker(args, "prefill", PrefillWorker)

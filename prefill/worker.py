@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import structlog
 
+from engine.config import EngineConfig
 from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, finish_reason, sampling_params
-from engine.worker.record import RequestRecord
+from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
@@ -40,12 +42,17 @@ PEER_FAILED = control_pb2.ABORT_REASON_PEER_FAILED
 class PrefillWorker(WorkerRole):
     """Owns the prefill worker's jobs (`records`: rid -> PrefillJob) and the early Reserved messages."""
 
-    def __init__(self, parts: WorkerParts, plane: TransferPlane) -> None:
+    @classmethod
+    def engine_config(cls, config: EngineConfig) -> EngineConfig:
+        """Finish after the first token; keep the KV past the prefill, it is shipped (then `release`)."""
+        return replace(config, prefill_only=True, keep_blocks_on_finish=True)
+
+    def __init__(self, parts: WorkerParts) -> None:
         super().__init__(parts)
-        self.engine.scheduler.keep_blocks_on_finish = True  # the KV outlives the prefill: it is shipped
-        self.engine.scheduler.prefill_only = True
-        self.plane = plane
-        self.block_size = self.engine.pool.block_size
+        if parts.transfer is None:
+            raise ValueError("a prefill worker needs a KV transfer plane")
+        self.plane: TransferPlane = parts.transfer
+        self.block_size = self.engine.config.block_size
         self._early: dict[int, tuple[str, control_pb2.Reserved, asyncio.TimerHandle]] = {}
         self._step_done = asyncio.Event()  # replaced after each step: a broadcast to shipping tasks
 
@@ -251,12 +258,12 @@ class PrefillWorker(WorkerRole):
         timer = asyncio.get_running_loop().call_later(lease_s, self._early.pop, r.rid, None)
         self._early[r.rid] = (sender, r, timer)
 
-    def _release(self, rec: RequestRecord, outcome: str) -> None:
+    def _release(self, rec: WorkerRequest, outcome: str) -> None:
         assert isinstance(rec, PrefillJob)
         self._stop_shipping(rec, outcome)
         self.stepper.release(rec.seq)  # freed, or kept findable by the prefix cache
 
-    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+    def peer_needs_abort(self, rec: WorkerRequest) -> bool:
         return isinstance(rec, PrefillJob) and rec.reserved is not None
 
     def queue_depths(self) -> dict[str, int]:

@@ -1,7 +1,7 @@
 """The runtime every worker process shares (prefill, decode, colocated).
 
 process.Worker      assembles one worker and runs its life: start, serve, drain, close
-runtime.ControlPlane  ZeroMQ: Register/RegisterAck, heartbeats, Peers, pool queries, Shutdown
+runtime.WorkerControl ZeroMQ: Register/RegisterAck, heartbeats, Peers, pool queries, Shutdown
 peers.PeerLinks     one cached DEALER per peer worker (P<->D control messages)
 transfer.TransferPlane  kvtransfer's transport over this worker's KV cache, one peer per pair
 stepper.StepLoop    the engine's steps: forward on a thread, engine state on the event loop

@@ -23,7 +23,7 @@ from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.worker.metrics import HealthServer, WorkerMetrics
 from engine.worker.role import WorkerParts, WorkerRole
-from engine.worker.runtime import ControlPlane, RegistrationError
+from engine.worker.runtime import RegistrationError, WorkerControl
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
@@ -42,17 +42,20 @@ class WorkerFailed(RuntimeError):
 class Worker:
     """A prefill, decode or colocated worker in this process. `start()`, then `serve()` until stopped.
 
-    Tests build several in one process (each has its own engine, sockets, registry and threads).
+    `role_class` (handed in by `prefill/main.py` or `decode/main.py`; the runtime never imports the
+    roles) sets the engine's policy through `engine_config` and handles the request messages. Tests
+    build several in one process (each has its own engine, sockets, registry and threads).
     """
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel) -> None:
+    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, role_class: type[WorkerRole]) -> None:
         self.settings = settings
-        self.engine = LLMEngine(loaded, settings.engine)
+        self.role_class = role_class
+        self.engine = LLMEngine(loaded, role_class.engine_config(settings.engine))
         self.metrics = WorkerMetrics(settings.role, settings.worker_id)
         self.stepper = StepLoop(self.engine, self.metrics)
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
-        self.control: ControlPlane | None = None
+        self.control: WorkerControl | None = None
         self.role: WorkerRole | None = None
         self._step_task: asyncio.Task[None] | None = None
         self._live_task: asyncio.Task[None] | None = None
@@ -66,7 +69,7 @@ class Worker:
             self.transfer.on_release = self.stepper.wake  # freed blocks may let waiting work run
         self.health = HealthServer(s.advertise_host, s.metrics_port, self.metrics, self._ready)
         self._live_task = asyncio.create_task(self.health.keep_alive(), name="livez")
-        self.control = ControlPlane(
+        self.control = WorkerControl(
             s,
             self.engine.pool,
             kv_layout_proto(self.engine),
@@ -90,16 +93,9 @@ class Worker:
             "transfer_address": self.transfer.address if self.transfer else "",
         }
 
-    def _make_role(self, control: ControlPlane) -> WorkerRole:
-        parts = WorkerParts(self.settings, self.engine, self.stepper, control, self.metrics)
-        if self.settings.role == "prefill":
-            from prefill.worker import PrefillWorker
-
-            assert self.transfer is not None
-            return PrefillWorker(parts, self.transfer)
-        from decode.worker import DecodeWorker
-
-        return DecodeWorker(parts, self.transfer)
+    def _make_role(self, control: WorkerControl) -> WorkerRole:
+        parts = WorkerParts(self.settings, self.engine, self.stepper, control, self.metrics, self.transfer)
+        return self.role_class(parts)
 
     def _preconnect(self, peers: list[control_pb2.Peer]) -> None:
         assert self.transfer is not None
@@ -171,16 +167,17 @@ class Worker:
             self.health.close()
 
 
-def run_worker(args: argparse.Namespace, role: str) -> int:
-    """The body of `splitserve prefill|decode`: load, start, print the readiness line, serve, drain."""
+def run_worker(args: argparse.Namespace, role: str, role_class: type[WorkerRole]) -> int:
+    """The body of `splitserve prefill|decode`: load, start, print the readiness line, serve, drain.
+    `role` is the registered role name, `role_class` the role that serves it."""
     from splitserve.logs import configure_logging
 
     settings = settings_from_args(args, role)
     configure_logging(role=role, worker_id=settings.worker_id)
-    return asyncio.run(_main(settings))
+    return asyncio.run(_main(settings, role_class))
 
 
-async def _main(settings: WorkerSettings) -> int:
+async def _main(settings: WorkerSettings, role_class: type[WorkerRole]) -> int:
     from engine.loader import load_model
     from engine.model_dir import resolve_model_dir
     from splitserve.progress import announce
@@ -191,7 +188,7 @@ async def _main(settings: WorkerSettings) -> int:
     announce(f"loading {model_dir.name}")
     loaded = await asyncio.to_thread(load_model, model_dir, dtype=cfg.torch_dtype, device=cfg.device)
     announce("allocating the KV cache, loading kernels")  # the engine's runner loads the CPU kernels
-    worker = Worker(settings, loaded)
+    worker = Worker(settings, loaded, role_class)
     announce("registering with the coordinator")
     try:
         info = await worker.start()

@@ -12,8 +12,9 @@ from splitserve.v1 import control_pb2
 
 
 @dataclass(slots=True, eq=False)
-class RequestRecord:
-    """A role's state for one (rid, generation). `peer` is the other worker of the transfer (P's decode
+class WorkerRequest:
+    """A worker role's state for one (rid, generation) (the coordinator's record of the request is
+    `coordinator.request_table.RequestRecord`). `peer` is the other worker of the transfer (P's decode
     worker, D's prefill worker; None when D prefills locally). Timers are disarmed by `_end`."""
 
     req: control_pb2.ExecutionRequest

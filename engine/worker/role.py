@@ -1,6 +1,6 @@
 """What the prefill and decode roles share: the request table, dispatch, checks, timers, sends.
 
-A role owns its request table (rid -> RequestRecord; one generation per rid: a newer generation
+A role owns its request table (rid -> WorkerRequest; one generation per rid: a newer generation
 replaces the older one, an older one is dropped and counted). Every record is created by a
 coordinator message and removed by exactly one `_end` call (finished, aborted, expired, preempted,
 failed), which releases its blocks through the role's `_release`. `idle` is set whenever the table is
@@ -17,15 +17,17 @@ from typing import Any, TypeAlias
 
 import structlog
 
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
 from engine.worker.convert import finish_reason, tokens_message
 from engine.worker.metrics import WorkerMetrics
-from engine.worker.record import RequestRecord
-from engine.worker.runtime import ControlPlane
+from engine.worker.record import WorkerRequest
+from engine.worker.runtime import WorkerControl
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
+from engine.worker.transfer import TransferPlane
 from splitserve.control import ControlQueueFull, DropLog, Received, envelope
 from splitserve.v1 import control_pb2, serving_pb2
 
@@ -42,13 +44,19 @@ class WorkerParts:
     settings: WorkerSettings
     engine: LLMEngine
     stepper: StepLoop
-    control: ControlPlane
+    control: WorkerControl
     metrics: WorkerMetrics
+    transfer: TransferPlane | None  # the bulk KV plane; None on a colocated worker
 
 
 class WorkerRole:
     """Base class; subclasses implement `handle_<kind>` for the messages they accept, `_release`, and the
-    StepHandler methods."""
+    StepHandler methods, and may override `engine_config` for their engine policy."""
+
+    @classmethod
+    def engine_config(cls, config: EngineConfig) -> EngineConfig:
+        """The engine config this role's worker runs (the flags' config plus the role's policy)."""
+        return config
 
     def __init__(self, parts: WorkerParts) -> None:
         self.settings, self.engine, self.stepper = parts.settings, parts.engine, parts.stepper
@@ -58,8 +66,8 @@ class WorkerRole:
         self.accepting = True
         self.idle = asyncio.Event()
         self.idle.set()
-        self.records: dict[int, RequestRecord] = {}
-        self._by_seq: dict[str, RequestRecord] = {}
+        self.records: dict[int, WorkerRequest] = {}
+        self._by_seq: dict[str, WorkerRequest] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._background: set[asyncio.Task[Any]] = set()
@@ -103,7 +111,7 @@ class WorkerRole:
             return None
         return rec
 
-    def track(self, rec: RequestRecord) -> None:
+    def track(self, rec: WorkerRequest) -> None:
         self.records[rec.rid] = rec
         self._by_seq[rec.seq.request_id] = rec
         self.idle.clear()
@@ -117,10 +125,10 @@ class WorkerRole:
         key = seq_or_id if isinstance(seq_or_id, str) else seq_or_id.request_id
         return self._by_seq.get(key)
 
-    def is_current(self, rec: RequestRecord) -> bool:
+    def is_current(self, rec: WorkerRequest) -> bool:
         return self.records.get(rec.rid) is rec
 
-    def _end(self, rec: RequestRecord, outcome: str) -> None:
+    def _end(self, rec: WorkerRequest, outcome: str) -> None:
         """The one exit of a record: disarm its timers and release its blocks (`_release`). Idempotent."""
         if not self.is_current(rec):
             return
@@ -133,15 +141,15 @@ class WorkerRole:
             self.idle.set()
         rec.log.debug("released", outcome=outcome)
 
-    def _release(self, rec: RequestRecord, outcome: str) -> None:
+    def _release(self, rec: WorkerRequest, outcome: str) -> None:
         """End the record's transfer (if any) and give its blocks back; called once, by `_end`."""
         raise NotImplementedError
 
-    def peer_needs_abort(self, rec: RequestRecord) -> bool:
+    def peer_needs_abort(self, rec: WorkerRequest) -> bool:
         """Whether the peer still holds state for this record (an open transfer)."""
         return False
 
-    async def fail(self, rec: RequestRecord, reason: Reason, message: str) -> None:
+    async def fail(self, rec: WorkerRequest, reason: Reason, message: str) -> None:
         """This worker gives up on `rec`: end it, tell the peer (if it holds state) and the coordinator."""
         if not self.is_current(rec):
             return
@@ -212,7 +220,7 @@ class WorkerRole:
                 self.prefix_query_tokens += rec.num_kv_tokens
                 self.prefix_hit_tokens += rec.seq.num_cached_tokens
 
-    def step_tokens(self, rec: RequestRecord, out: StepOutput) -> control_pb2.Tokens:
+    def step_tokens(self, rec: WorkerRequest, out: StepOutput) -> control_pb2.Tokens:
         """The `Tokens` item of one step output (the token just appended to `rec.seq`)."""
         want_lp = rec.req.HasField("logprobs")
         return tokens_message(
@@ -228,7 +236,7 @@ class WorkerRole:
             else serving_pb2.FINISH_REASON_UNSPECIFIED,
         )
 
-    async def send_prefill_done(self, rec: RequestRecord, out: StepOutput) -> control_pb2.Tokens:
+    async def send_prefill_done(self, rec: WorkerRequest, out: StepOutput) -> control_pb2.Tokens:
         """PrefillDone for the first token of `rec` (sampled by this worker's prefill), sent at once."""
         now = time.monotonic()
         started = rec.started if rec.started is not None else now
@@ -265,7 +273,7 @@ class WorkerRole:
         """Run `fn(*args)` as a task after `delay_s` (a lease or a deadline); cancel the handle to disarm."""
         return asyncio.get_running_loop().call_later(delay_s, self.spawn, fn, *args)
 
-    def rearm_lease(self, rec: RequestRecord, message: str | None) -> None:
+    def rearm_lease(self, rec: WorkerRequest, message: str | None) -> None:
         """Replace `rec`'s lease: after --lease-ms it fails with LEASE_EXPIRED (`message` None: disarm)."""
         if rec.lease is not None:
             rec.lease.cancel()

@@ -81,8 +81,9 @@ class PrefixEvents:
         )
 
 
-class ControlPlane:
-    """Created by the worker after its model and transfer listener are up; closed by `close()`."""
+class WorkerControl:
+    """A worker's end of the control plane (the coordinator's is `coordinator.control_loop.CoordinatorControl`).
+    Created by the worker after its model and transfer listener are up; closed by `close()`."""
 
     def __init__(
         self,

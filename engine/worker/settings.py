@@ -1,7 +1,8 @@
 """Worker command-line flags and the settings they resolve to (shared by prefill, decode, colocated).
 
-Every flag is also settable as `SPLITSERVE_<FLAG>` (splitserve/cli.py). This module stays import-light
-(no torch, no zmq) because `splitserve --help` imports it.
+Every flag is also settable as `SPLITSERVE_<FLAG>` (splitserve/cli.py). Each default is written once,
+in the dataclass (`WorkerSettings`, `EngineConfig`); the flags read it from there. This module stays
+import-light (no torch, no zmq) because `splitserve --help` imports it.
 """
 
 from __future__ import annotations
@@ -9,14 +10,16 @@ from __future__ import annotations
 import argparse
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.model_dir import MODEL_HELP
 from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
 
 ROLES = ("prefill", "decode", "colocated")
+TRANSFER_BACKENDS = ("ucx", "tcp")
 
 
 @dataclass(slots=True)
@@ -32,7 +35,7 @@ class WorkerSettings:
     advertise_host: str = "127.0.0.1"
     control_port: int = 0
     transfer_port: int = 0
-    transfer_backend: str = "tcp"
+    transfer_backend: str = "ucx"
     metrics_port: int = 0
     drain_timeout_s: float = 30.0
     lease_ms: int = 10_000
@@ -57,7 +60,7 @@ class WorkerSettings:
                 "the control plane is authenticated by default: give --control-key (this worker's "
                 ".key_secret) and --coordinator-public-key, or --insecure-control-plane"
             )
-        if self.transfer_backend not in ("ucx", "tcp"):
+        if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--transfer-backend must be ucx or tcp, got {self.transfer_backend!r}")
         if self.lease_ms < 1:
             raise ValueError(f"--lease-ms must be positive, got {self.lease_ms}")
@@ -76,37 +79,98 @@ def default_served_name(model: str) -> str:
     return Path(model).resolve().name
 
 
+def field_defaults(cls: Any) -> dict[str, Any]:
+    """The field defaults of a settings dataclass, for the flags that set those fields."""
+    return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+
 def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = False) -> None:
     """The flags of `splitserve prefill|decode`; `with_mode` adds `--mode decode|colocated`."""
+    w, e = field_defaults(WorkerSettings), field_defaults(EngineConfig)
     a = parser.add_argument
     a("--model", required=True, help=MODEL_HELP)
     a("--served-model-name", default="", help="model name to register (default: as the coordinator)")
     a("--coordinator", required=True, help="the coordinator's control endpoint HOST:PORT")
     a("--worker-id", default="", help="unique worker id (default: ROLE-HOSTNAME-PID)")
-    a("--advertise-host", default="127.0.0.1", help="host peers use to reach this worker")
-    a("--control-port", type=int, default=0, help="this worker's control ROUTER port (0: OS-chosen)")
-    a("--transfer-port", type=int, default=0, help="bulk KV transfer listener port (0: OS-chosen)")
-    a("--transfer-backend", choices=("ucx", "tcp"), default="ucx", help="bulk KV transport")
-    a("--metrics-port", type=int, default=0, help="/metrics, /livez, /readyz port (0: OS-chosen)")
-    a("--block-size", type=int, default=16, help="tokens per KV block")
-    a("--num-gpu-blocks", type=int, default=None, help="KV pool size in blocks (else --kv-cache-memory)")
-    a("--kv-cache-memory", type=int, default=256 << 20, help="KV pool bytes when --num-gpu-blocks is unset")
-    a("--max-num-batched-tokens", type=int, default=512, help="token budget of one step")
-    a("--max-num-seqs", type=int, default=64, help="sequences in one step at most")
-    a("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    a("--advertise-host", default=w["advertise_host"], help="host peers use to reach this worker")
+    a(
+        "--control-port",
+        type=int,
+        default=w["control_port"],
+        help="this worker's control ROUTER port (0: OS-chosen)",
+    )
+    a(
+        "--transfer-port",
+        type=int,
+        default=w["transfer_port"],
+        help="bulk KV transfer listener port (0: OS-chosen)",
+    )
+    a(
+        "--transfer-backend",
+        choices=TRANSFER_BACKENDS,
+        default=w["transfer_backend"],
+        help="bulk KV transport",
+    )
+    a(
+        "--metrics-port",
+        type=int,
+        default=w["metrics_port"],
+        help="/metrics, /livez, /readyz port (0: OS-chosen)",
+    )
+    a("--block-size", type=int, default=e["block_size"], help="tokens per KV block")
+    a(
+        "--num-gpu-blocks",
+        type=int,
+        default=e["num_blocks"],
+        help="KV pool size in blocks (else --kv-cache-memory)",
+    )
+    a(
+        "--kv-cache-memory",
+        type=int,
+        default=e["kv_cache_memory_bytes"],
+        help="KV pool bytes when --num-gpu-blocks is unset",
+    )
+    a(
+        "--max-num-batched-tokens",
+        type=int,
+        default=e["max_num_batched_tokens"],
+        help="token budget of one step",
+    )
+    a("--max-num-seqs", type=int, default=e["max_num_seqs"], help="sequences in one step at most")
+    a("--max-model-len", type=int, default=e["max_model_len"], help="context limit (default: the model's)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    a("--dtype", choices=("float32", "bfloat16", "float16"), default="float32", help="weights and KV dtype")
-    a("--device", default="cpu", help="torch device, e.g. cpu or cuda:0")
-    a("--lease-ms", type=int, default=10_000, help="lease of a held prefill result or a reservation")
-    a("--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM")
-    a("--register-timeout", type=float, default=120.0, help="seconds to wait for the coordinator's ack")
+    a("--dtype", choices=DTYPES, default=e["dtype"], help="weights and KV dtype")
+    a("--device", default=e["device"], help="torch device, e.g. cpu or cuda:0")
+    a("--lease-ms", type=int, default=w["lease_ms"], help="lease of a held prefill result or a reservation")
+    a(
+        "--drain-timeout",
+        type=float,
+        default=w["drain_timeout_s"],
+        help="seconds to finish in-flight work on SIGTERM",
+    )
+    a(
+        "--register-timeout",
+        type=float,
+        default=w["register_timeout_s"],
+        help="seconds to wait for the coordinator's ack",
+    )
     a("--debug-integrity", action="store_true", help="run check_integrity() after every step")
-    a("--kv-message-bytes", type=int, default=64 << 20, help="largest KV transfer message (same on P and D)")
-    a("--kv-direct-bytes", type=int, default=256 << 10, help="shortest block run sent without packing")
+    a(
+        "--kv-message-bytes",
+        type=int,
+        default=w["kv_message_bytes"],
+        help="largest KV transfer message (same on P and D)",
+    )
+    a(
+        "--kv-direct-bytes",
+        type=int,
+        default=w["kv_direct_bytes"],
+        help="shortest block run sent without packing",
+    )
     a(
         "--ucx-progress-mode",
         choices=("hybrid", "thread", "thread-polling", "polling", "blocking"),
-        default="hybrid",
+        default=w["ucx_progress_mode"],
         help="hybrid: poll only while transfers are outstanding; thread: never spin (saves a core, slower)",
     )
     add_control_security_arguments(parser)

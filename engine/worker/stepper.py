@@ -81,8 +81,7 @@ class StepLoop:
         if seq in self._in_flight:
             self._deferred.append(seq)  # protects an invariant: the forward still writes its slots
             return
-        self.engine.abort_request(seq.request_id)
-        self.engine.kv.free(seq)  # no-op unless it finished with its blocks kept (prefill worker)
+        self.engine.release(seq)
         self.wake()
 
     def stop(self) -> None:

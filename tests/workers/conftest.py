@@ -16,10 +16,12 @@ from typing import Any
 import pytest
 import zmq.asyncio
 
+from decode.worker import DecodeWorker
 from engine.config import EngineConfig
 from engine.loader import LoadedModel, load_model
 from engine.worker.process import Worker
 from engine.worker.settings import WorkerSettings
+from prefill.worker import PrefillWorker
 from splitserve import wire
 from splitserve.control import ControlSocket, envelope
 from splitserve.control_auth import AuthorizedKeys, KeySet, ZapHandler, load_keys
@@ -222,7 +224,7 @@ class Cluster:
                 cfg.num_hidden_layers * 2 * engine["block_size"] * cfg.num_key_value_heads * cfg.head_dim * 4
             )
             settings.kv_message_bytes = settings.kv_direct_bytes = kv_blocks_per_message * block_bytes
-        worker = Worker(settings, self.loaded)
+        worker = Worker(settings, self.loaded, PrefillWorker if role == "prefill" else DecodeWorker)
         self.workers[worker_id] = worker
         await worker.start()
         return worker

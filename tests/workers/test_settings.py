@@ -1,0 +1,27 @@
+"""Worker flags: each default is the settings dataclass's, and parsing them stays torch-free."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from engine.worker.settings import WorkerSettings, add_worker_arguments, settings_from_args
+
+
+def test_flag_defaults_are_the_settings_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, with_mode=True)
+    required = ["--model", "tiny", "--coordinator", "127.0.0.1:1", "--worker-id", "w"]
+    args = parser.parse_args([*required, "--insecure-control-plane"])
+    want = WorkerSettings(
+        role="decode", model="tiny", coordinator="127.0.0.1:1", worker_id="w", insecure_control_plane=True
+    )
+    assert settings_from_args(args, "decode") == want
+    assert want.transfer_backend == "ucx"
+
+
+def test_worker_flags_import_without_torch() -> None:
+    code = "import sys, engine.worker.settings; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.strip() == "False"
