@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import openai
 import pytest
 
 from coordinator.tls import ClientTls
@@ -73,6 +75,24 @@ def client_tls(cluster: LocalCluster) -> ClientTls | None:
 def client_for(cluster: LocalCluster, api_key: str | None = API_KEY, model: str = "") -> Client:
     return Client(
         cluster.grpc_address, api_key=api_key, admin_key=ADMIN_KEY, model=model, tls=client_tls(cluster)
+    )
+
+
+def openai_client(cluster: LocalCluster, api_key: str = API_KEY) -> openai.AsyncOpenAI:
+    """The official SDK against the cluster's HTTP door, with the same TLS client rule as `client_for`."""
+    tls = client_tls(cluster)
+    if tls is None:
+        return openai.AsyncOpenAI(
+            base_url=f"http://{cluster.http_address}/v1", api_key=api_key, max_retries=0
+        )
+    context = ssl.create_default_context(cafile=str(tls.ca))
+    if tls.cert is not None:
+        context.load_cert_chain(tls.cert, tls.key)
+    return openai.AsyncOpenAI(
+        base_url=f"https://{cluster.http_address}/v1",
+        api_key=api_key,
+        max_retries=0,
+        http_client=openai.DefaultAsyncHttpx2Client(verify=context),
     )
 
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from splitserve.cluster import LocalCluster
-from tests.e2e.conftest import API_KEY, assert_pools_clean, client_for, wait_quiescent
+from tests.e2e.conftest import assert_pools_clean, client_for, openai_client, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-cluster")
 
@@ -26,7 +26,7 @@ MESSAGES = [
 
 @pytest.fixture
 async def sdk(cluster: LocalCluster) -> AsyncIterator[openai.AsyncOpenAI]:
-    client = openai.AsyncOpenAI(base_url=f"http://{cluster.http_address}/v1", api_key=API_KEY, max_retries=0)
+    client = openai_client(cluster)
     yield client
     await client.close()
 
@@ -106,7 +106,7 @@ async def test_stop_string_spanning_tokens_over_http(sdk: openai.AsyncOpenAI) ->
 
 async def test_sdk_raises_its_typed_errors(cluster: LocalCluster, sdk: openai.AsyncOpenAI) -> None:
     model = await model_name(sdk)
-    stranger = openai.AsyncOpenAI(base_url=f"http://{cluster.http_address}/v1", api_key="nope", max_retries=0)
+    stranger = openai_client(cluster, api_key="nope")
     with pytest.raises(openai.AuthenticationError) as unauthenticated:
         await stranger.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
     await stranger.close()
