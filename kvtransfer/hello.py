@@ -24,7 +24,6 @@ from __future__ import annotations
 import hmac
 import json
 import secrets
-import time
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -167,20 +166,3 @@ def _check_reply(data: bytes) -> dict[str, Any]:
             raise TransportError(f"peer refused the connection: {reply.get('error', reply)}")
         raise LayoutMismatch(reply["field"], reply.get("theirs"), reply.get("ours"))
     return reply
-
-
-class RateLimitedLog:
-    """Warns at most once per `interval_s` per key, counting what it left out in between."""
-
-    def __init__(self, event: str, interval_s: float = 10.0) -> None:
-        self.event, self.interval_s = event, interval_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def warning(self, key: str, **fields: Any) -> None:
-        now = time.monotonic()
-        if now - self._last.get(key, -self.interval_s) < self.interval_s:
-            self._suppressed[key] = self._suppressed.get(key, 0) + 1
-            return
-        self._last[key] = now
-        log.warning(self.event, reason=key, suppressed=self._suppressed.pop(key, 0), **fields)

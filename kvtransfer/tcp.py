@@ -246,7 +246,7 @@ class TcpTransport(Transport):
             try:
                 sock, _ = await loop.sock_accept(self._server)
             except OSError as e:  # e.g. out of file descriptors: keep listening
-                self._refusals.warning("accept failed", backend=self.backend, detail=repr(e))
+                self._refusals("accept failed", backend=self.backend, detail=repr(e))
                 await asyncio.sleep(0.1)  # backoff, not synchronization: EMFILE would spin the loop
                 continue
             self._tune(sock)

@@ -28,6 +28,7 @@ import torch
 from kvtransfer import hello
 from kvtransfer.hello import HelloChannel, HelloRefused
 from kvtransfer.layout import KVLayout
+from splitserve.logs import RateLimitedLog
 
 log = structlog.get_logger(__name__)
 
@@ -124,7 +125,7 @@ class Transport(ABC):
         self.address = ""
         self.refused: Counter[str] = Counter()
         self.on_refused: Callable[[str], None] = lambda reason: None
-        self._refusals = hello.RateLimitedLog("kv connection refused")
+        self._refusals = RateLimitedLog("kv connection refused")
         self._pending_hellos = 0
         self._peers: dict[str, Peer] = {}
         self._connecting: dict[str, asyncio.Future[Peer]] = {}
@@ -197,7 +198,7 @@ class Transport(ABC):
     def _refuse(self, reason: str, detail: str) -> None:
         self.refused[reason] += 1
         self.on_refused(reason)
-        self._refusals.warning(reason, backend=self.backend, detail=detail)
+        self._refusals(reason, backend=self.backend, detail=detail)
 
     async def _hello(self, channel: HelloChannel, key: bytes, timeout_s: float) -> None:
         """Connecting side of the hello, bounded by `timeout_s` (TimeoutError)."""

@@ -26,7 +26,6 @@ use these sockets.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,6 +35,7 @@ import zmq
 import zmq.asyncio
 
 from splitserve.control_flags import WORKER_ID_PATTERN
+from splitserve.logs import RateLimitedLog
 from splitserve.v1 import control_pb2
 
 log = structlog.get_logger(__name__)
@@ -87,27 +87,6 @@ def envelope(**msg: object) -> control_pb2.Envelope:
     return control_pb2.Envelope(**msg)  # type: ignore[arg-type]
 
 
-class DropLog:
-    """Rate-limited warnings for dropped input: the first drop of a reason is logged at once, later
-    ones at most every `period_s` with the count suppressed meanwhile (a flood costs one line)."""
-
-    def __init__(self, where: str, period_s: float = _DROP_LOG_PERIOD_S) -> None:
-        self.where = where
-        self.period_s = period_s
-        self._last: dict[str, float] = {}
-        self._suppressed: dict[str, int] = {}
-
-    def __call__(self, reason: str, **detail: Any) -> None:
-        now = time.monotonic()
-        last = self._last.get(reason)
-        if last is not None and now - last < self.period_s:
-            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
-            return
-        self._last[reason] = now
-        suppressed = self._suppressed.pop(reason, 0)
-        log.warning("control input dropped", at=self.where, reason=reason, suppressed=suppressed, **detail)
-
-
 class ControlSocket:
     """A ROUTER (bound) or DEALER (connected) socket speaking `Envelope`s.
 
@@ -128,7 +107,7 @@ class ControlSocket:
         self.is_router = kind == zmq.ROUTER
         self.on_drop = on_drop or (lambda reason: None)
         self.curve = False
-        self._drop_log = DropLog(name)
+        self._drop_log = RateLimitedLog("control input dropped", _DROP_LOG_PERIOD_S, at=name)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)

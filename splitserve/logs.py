@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TextIO
+import time
+from typing import Any, TextIO
 
 import structlog
 
@@ -34,3 +35,26 @@ def configure_logging(level: str | None = None, stream: TextIO | None = None, **
     )
     structlog.contextvars.clear_contextvars()
     structlog.contextvars.bind_contextvars(**bound)
+
+
+class RateLimitedLog:
+    """Warnings about untrusted input that cannot flood the log: the first `event` of a reason is
+    logged at once, later ones at most every `period_s`, with the count suppressed meanwhile (so a
+    flood costs one line per reason and period). `bound` fields go on every line."""
+
+    def __init__(self, event: str, period_s: float = 10.0, **bound: Any) -> None:
+        self.event, self.period_s, self.bound = event, period_s, bound
+        self._last: dict[str, float] = {}
+        self._suppressed: dict[str, int] = {}
+
+    def __call__(self, reason: str, **detail: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(reason)
+        if last is not None and now - last < self.period_s:
+            self._suppressed[reason] = self._suppressed.get(reason, 0) + 1
+            return
+        self._last[reason] = now
+        suppressed = self._suppressed.pop(reason, 0)
+        structlog.get_logger(__name__).warning(
+            self.event, reason=reason, suppressed=suppressed, **self.bound, **detail
+        )

@@ -10,8 +10,9 @@ import pytest
 import structlog
 import zmq.asyncio
 
-from splitserve.control import ControlQueueFull, ControlSocket, DropLog, envelope
+from splitserve.control import ControlQueueFull, ControlSocket, envelope
 from splitserve.control_auth import KeySet, ZapHandler, load_keys, load_public_key
+from splitserve.logs import RateLimitedLog
 from splitserve.v1 import control_pb2
 from tests.control_attacks import Attacker, Case, named_cases
 
@@ -136,7 +137,7 @@ async def test_a_dealer_drops_what_its_router_peer_sends_wrong() -> None:
 
 
 def test_drop_log_is_rate_limited() -> None:
-    drop_log = DropLog("test", period_s=60.0)
+    drop_log = RateLimitedLog("control input dropped", period_s=60.0, at="test")
     with structlog.testing.capture_logs() as lines:
         for _ in range(1000):
             drop_log("decode")

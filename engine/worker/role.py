@@ -28,7 +28,8 @@ from engine.worker.runtime import WorkerControl
 from engine.worker.settings import WorkerSettings
 from engine.worker.stepper import StepLoop, StepReport
 from engine.worker.transfer import TransferPlane
-from splitserve.control import ControlQueueFull, DropLog, Received, envelope
+from splitserve.control import ControlQueueFull, Received, envelope
+from splitserve.logs import RateLimitedLog
 from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
@@ -71,7 +72,9 @@ class WorkerRole:
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self._background: set[asyncio.Task[Any]] = set()
-        self._unexpected = DropLog(f"{parts.settings.role} role")  # rate-limited: peers may flood
+        self._unexpected = RateLimitedLog(
+            "control input dropped", at=f"{parts.settings.role} role"
+        )  # rate-limited: peers may flood
         parts.stepper.handler = self  # type: ignore[assignment]  # subclasses implement StepHandler
 
     # --- dispatch and the request table -------------------------------------------------------------
