@@ -37,9 +37,15 @@ def llc_bytes() -> int:
     return max(sizes, default=LLC_FALLBACK_BYTES)
 
 
-def ring_count(size: int) -> int:
-    """Buffers in a ring of `size`-byte buffers that together hold at least 4x the LLC."""
-    return max(2, math.ceil(4 * llc_bytes() / size))
+def default_ring_bytes() -> int:
+    """What a ring holds unless told otherwise: 4x the LLC, so no buffer is still cached when reused."""
+    return 4 * llc_bytes()
+
+
+def ring_count(size: int, ring_bytes: int | None = None) -> int:
+    """Buffers in a ring of `size`-byte buffers that together hold at least `ring_bytes` (default:
+    4x the LLC); never fewer than two."""
+    return max(2, math.ceil((ring_bytes or default_ring_bytes()) / size))
 
 
 def cpu_seconds() -> float:
@@ -48,14 +54,20 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def new_ring(size: int, seed: int | None, device: str = "cpu") -> list[torch.Tensor]:
-    """A ring of `size`-byte buffers, zeroed, or filled from `seed` (each buffer differs); host
-    buffers are allocated as KV caches are (`host_memory.zeros`)."""
+def new_ring(
+    size: int, seed: int | None, device: str = "cpu", ring_bytes: int | None = None
+) -> list[torch.Tensor]:
+    """A ring of `size`-byte buffers, zeroed, or filled from `seed`; host buffers are allocated as KV
+    caches are (`host_memory.zeros`). Seeded buffers are windows of one random stream shifted by one
+    byte each, so every buffer differs (a misplaced message fails the checksums) and filling a ring
+    of many GiB costs a copy, not a random draw per byte."""
+    count = ring_count(size, ring_bytes)
+    stream = None if seed is None else np.random.default_rng(seed).integers(0, 256, size + count, np.uint8)
     ring = []
-    for j in range(ring_count(size)):
+    for j in range(count):
         buf = host_memory.zeros((size,), torch.uint8, device)
-        if seed is not None:
-            buf.copy_(torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(seed + j)))
+        if stream is not None:
+            buf.copy_(torch.from_numpy(stream[j : j + size]))
         ring.append(buf)
     return ring
 
@@ -73,10 +85,10 @@ def percentiles_us(samples: list[float]) -> dict[str, float]:
     return {"p50_us": at(0.5), "p99_us": at(0.99), "p999_us": at(0.999)}
 
 
-def memcpy_gbps(size: int, duration_s: float) -> float:
+def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None) -> float:
     """Single-thread memcpy bandwidth (10^9 bytes/s) over rings of `size`-byte buffers, allocated
     as the transfers' rings are."""
-    src = [host_memory.zeros((size,), torch.uint8).numpy() for _ in range(ring_count(size))]
+    src = [host_memory.zeros((size,), torch.uint8).numpy() for _ in range(ring_count(size, ring_bytes))]
     dst = [host_memory.zeros((size,), torch.uint8).numpy() for _ in src]
     for j, s in enumerate(src):
         s.fill(j % 256)
@@ -107,14 +119,14 @@ class BenchLoops:
             raise RuntimeError(f"no peer {address}")
         return peer
 
-    def _fresh_ring(self, size: int, seed: int | None, device: str) -> list[torch.Tensor]:
+    async def op_ring(
+        self, size: int, seed: int | None = None, device: str = "cpu", ring_bytes: int | None = None
+    ) -> dict[str, Any]:
+        """Allocate a fresh ring (seeded on the sender, zeroed on the receiver) of at least
+        `ring_bytes` (default: 4x the LLC)."""
         self._ring = []  # free the previous ring first
-        self._ring = new_ring(size, seed, device)
-        return self._ring
-
-    async def op_ring(self, size: int, seed: int | None = None, device: str = "cpu") -> dict[str, Any]:
-        """Allocate a fresh ring (seeded on the sender, zeroed on the receiver)."""
-        return {"ring": len(self._fresh_ring(size, seed, device))}
+        self._ring = new_ring(size, seed, device, ring_bytes)
+        return {"ring": len(self._ring)}
 
     async def op_bench_recv(
         self, peer: str, iters: int, tag_base: int, verify: bool = False

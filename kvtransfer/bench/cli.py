@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from kvtransfer.bench import agent, report, runner
-from kvtransfer.bench.bench_loops import memcpy_gbps
+from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
 from kvtransfer.bench.report import parse_size, parse_tokens
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB,16MiB,64MiB"
@@ -65,6 +65,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=False,
         help="pin the receiver and the sender agent to two distinct cores of ours",
     )
+    run.add_argument(
+        "--ring-bytes",
+        type=parse_size,
+        default=None,
+        help="bytes each side rotates through (default: 4x the LLC; smaller rings measure the cache)",
+    )
     run.add_argument("--agent-log", type=Path, default=Path(tempfile.gettempdir()) / "kvbench-agents.log")
     serve = sub.add_parser("serve", help="run the receiver agent for a remote `kvbench run --peer`")
     serve.add_argument("--backend", choices=sorted(runner.BACKEND_ARGS), required=True)
@@ -94,6 +100,7 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         command=shlex.join(["kvbench", *argv]),
         agent_log=args.agent_log.open("a"),
         pin_agents=args.pin_agents,
+        ring_bytes=args.ring_bytes,
     )
     unknown = [b for b in cfg.backends if b not in runner.BACKEND_ARGS]
     if unknown:
@@ -102,13 +109,14 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
     def memcpy_for(size: int) -> float:
         if size not in memcpy:
-            memcpy[size] = memcpy_gbps(size, args.duration)
+            memcpy[size] = memcpy_gbps(size, args.duration, args.ring_bytes)
         return memcpy[size]
 
     if cfg.model_shape is None:
         for size in cfg.sizes:
             memcpy_for(size)
-        print("memcpy baseline (1 thread, buffers rotated beyond the LLC):")
+        ring = report.format_size(args.ring_bytes or default_ring_bytes())
+        print(f"memcpy baseline (1 thread, buffers rotated through {ring} per size):")
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
         points = len(cfg.backends) * len(cfg.sizes) * len(cfg.depths)
     else:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from kvtransfer import KVLayout
+from kvtransfer.bench.bench_loops import default_ring_bytes
 from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
 from kvtransfer.bench.report import Progress, Row, format_size
 
@@ -48,6 +49,7 @@ class BenchConfig:
     command: str = ""
     agent_log: IO[str] | None = None
     pin_agents: bool = False
+    ring_bytes: int | None = None  # bytes each side rotates through (None: 4x the LLC)
 
     def agent_args(self, backend: str) -> list[str]:
         args = list(BACKEND_ARGS[backend])
@@ -151,8 +153,8 @@ async def raw_sweep(
     rows = []
     try:
         for size in cfg.sizes:
-            ring = (await agents.send.call("ring", size=size, seed=size))["ring"]
-            await agents.recv.call("ring", size=size)
+            ring = (await agents.send.call("ring", size=size, seed=size, ring_bytes=cfg.ring_bytes))["ring"]
+            await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes)
             for depth in cfg.depths:
                 warm_iters = max(2 * depth, ring)  # touches (and registers) every ring buffer once
                 t0 = time.perf_counter()
@@ -217,6 +219,7 @@ def _inputs(cfg: BenchConfig, backend: str) -> Row:
             "agent_args": cfg.agent_args(backend),
             "env_ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
             "pin_agents": cfg.pin_agents,
+            "ring_bytes": cfg.ring_bytes or default_ring_bytes(),
         },
         "command": cfg.command,
         "host": os.uname().nodename,

@@ -15,6 +15,9 @@ from kvtransfer.bench import cli, runner
 from kvtransfer.bench.control import READY_PREFIX, spawn_agent
 from kvtransfer.bench.report import parse_size, parse_tokens
 
+# Rings of 4x the LLC (the benchmark's default) are 1.2 GiB per side on a 300 MiB-LLC host: tests
+# check the plumbing, not the speed, so they rotate through a few MiB.
+TEST_RING = "8MiB"
 REQUIRED = {
     "backend",
     "size_bytes",
@@ -36,6 +39,7 @@ def test_size_and_token_parsing() -> None:
 def test_raw_sweep_writes_json_csv_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "rows.jsonl"
     argv = ["run", "--backend", "ucx,tcp", "--sizes", "256KiB,1MiB", "--duration", "0.05", "--repeats", "1"]
+    argv += ["--ring-bytes", TEST_RING]
     argv += ["--json", str(out), "--csv", str(tmp_path / "rows.csv"), "--plot", str(tmp_path / "bw.png")]
     argv += ["--agent-log", str(tmp_path / "agents.log")]
     assert cli.main(argv) == 0
@@ -97,9 +101,23 @@ def test_run_against_a_separate_serve_process(tmp_path: Path, backend: str) -> N
         out = tmp_path / "rows.jsonl"
         argv = ["run", "--backend", backend, "--peer", control, "--sizes", "1MiB", "--duration", "0.05"]
         argv += ["--repeats", "1", "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]
+        argv += ["--ring-bytes", TEST_RING]
         assert cli.main(argv) == 0
         (row,) = [json.loads(line) for line in out.read_text().splitlines()]
         assert row["backend"] == backend and row["verified"] is True and row["gbps"] > 0
     finally:
         serve.kill()
         serve.wait()
+
+
+def test_a_seeded_ring_holds_what_it_is_asked_for_and_every_buffer_differs() -> None:
+    from kvtransfer.bench.bench_loops import default_ring_bytes, new_ring, ring_count
+
+    assert ring_count(1 << 20, 8 << 20) == 8 and ring_count(64 << 20, 8 << 20) == 2
+    assert ring_count(1 << 20) * (1 << 20) >= default_ring_bytes()
+    ring = new_ring(64 << 10, seed=7, ring_bytes=1 << 20)
+    assert len(ring) == 16
+    assert len({bytes(buf.numpy()) for buf in ring}) == 16, "two buffers of one ring are equal"
+    again = new_ring(64 << 10, seed=7, ring_bytes=1 << 20)
+    assert all(bool((a == b).all()) for a, b in zip(ring, again, strict=True)), "a seed must repeat"
+    assert all(int(buf.sum()) == 0 for buf in new_ring(64 << 10, seed=None, ring_bytes=1 << 20))

@@ -14,6 +14,7 @@ from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spaw
 from tests.kvtransfer.conftest import agent_args, assert_session_bit_exact, connect_pair, send_into
 
 MESSAGE_BYTES = 64 << 20  # ~10 ms per message here: a kill lands inside one
+RING_BYTES = 4 * MESSAGE_BYTES  # a kill test, not a speed test: no need to rotate beyond the LLC
 ENDLESS = 1 << 20  # messages: the stream outlives the test
 WAIT_S = 60.0
 
@@ -32,7 +33,8 @@ async def test_peer_killed_mid_stream_leaves_the_survivor_serving(
 ) -> None:
     pair = await connect_pair(*own_agents)
     await asyncio.gather(
-        pair.recv.call("ring", size=MESSAGE_BYTES), pair.send.call("ring", size=MESSAGE_BYTES, seed=1)
+        pair.recv.call("ring", size=MESSAGE_BYTES, ring_bytes=RING_BYTES),
+        pair.send.call("ring", size=MESSAGE_BYTES, seed=1, ring_bytes=RING_BYTES),
     )
     common = {"iters": ENDLESS, "tag_base": 1 << 40, "timeout": WAIT_S}
     receiving = asyncio.ensure_future(pair.recv.call("bench_recv", peer=pair.sender.address, **common))
