@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 CPU_KERNEL_ISAS ?= host
 MODEL   ?= smollm2-135m-instruct
 
-.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench
+.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench study
 
 setup: $(STAMP)
 
@@ -53,6 +53,16 @@ bench: setup
 
 kvbench: setup
 	$(BIN)/kvbench run --backend ucx,tcp
+
+# issue 12's serving study (docs/performance.md): the docs-chats mix, each mode on its own cluster, the
+# colocated baseline tuned over chunk budgets; a new mode is one more entry in STUDY_MODES
+STUDY_MODES ?= colocated,disaggregated
+STUDY_OUT   ?= out/study
+study: setup
+	$(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256,512 \
+		--mix docs-chats --num-requests 40 --rates 0.5,1,2 --slo-ttft-ms 3000 --slo-tpot-ms 80 \
+		--slo-scales 1,2,4,8,16 --scale-rate 1 --pin prefill=0,decode=1 \
+		--threads prefill=1,decode=1,colocated=2 --json $(STUDY_OUT)/study.json --plots $(STUDY_OUT)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache kernels/*.so

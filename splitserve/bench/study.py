@@ -99,21 +99,43 @@ def _request_rows(traces: list[RequestTrace]) -> list[dict[str, Any]]:
     ]
 
 
-def _sweep(address: str, v: Variant, plan: StudyPlan, study: dict[str, Any]) -> None:
-    """Unloaded probes, then every rate, against one server; appends to `study`."""
-    warm = [Item(it.prompt, 2, it.kind) for it in probes(plan.items, 1)]  # first-call costs, not timed
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """The first variant's unloaded latencies per kind (`base`, the SLO scale's unit) and the SLO
+    every variant is held to (`slos`)."""
+
+    base: dict[str, Latency]
+    slos: dict[str, Latency]
+
+
+def _unloaded(address: str, plan: StudyPlan) -> dict[str, Latency]:
+    """One untimed warm-up request per kind (first-call costs), then the timed probes, one at a time."""
+    warm = [Item(it.prompt, 2, it.kind) for it in probes(plan.items, 1)]
     asyncio.run(run_sequential(address, warm, timeout=plan.request_timeout))
-    base = unloaded(
-        asyncio.run(
-            run_sequential(address, probes(plan.items, plan.unloaded_probes), timeout=plan.request_timeout)
-        )
-    )
+    timed = probes(plan.items, plan.unloaded_probes)
+    return unloaded(asyncio.run(run_sequential(address, timed, timeout=plan.request_timeout)))
+
+
+def _row(
+    v: Variant, rate: float, traces: list[RequestTrace], duration: float, ref: Reference, plan: StudyPlan
+) -> dict[str, Any]:
+    row: dict[str, Any] = {"variant": v.name, "mode": v.mode, "chunk_budget": v.chunk_budget, "rate": rate}
+    row |= summarize(traces, duration, ref.slos)
+    row["attainment_by_scale"] = {f"{s:g}": attainment(traces, scaled(ref.base, s)) for s in plan.slo_scales}
+    row["requests"] = _request_rows(traces)
+    return row
+
+
+def _sweep(
+    address: str, v: Variant, plan: StudyPlan, study: dict[str, Any], ref: Reference | None
+) -> Reference:
+    """Unloaded probes, then every rate, against one server; appends to `study`. The first variant
+    (`ref` None) sets the reference that it returns."""
+    base = _unloaded(address, plan)
     study["unloaded"][v.name] = {k: dataclasses.asdict(x) for k, x in base.items()}
-    if "reference" not in study["slo"]:  # the first variant's baselines define every variant's SLO
-        ref = scaled(base, plan.slo_scale) if plan.slo_scale else {k: plan.slo for k in base}
-        study["slo"].update(reference=v.name, by_kind={k: dataclasses.asdict(x) for k, x in ref.items()})
-        study["_base"], study["_slos"] = base, ref
-    slos: dict[str, Latency] = study["_slos"]
+    if ref is None:
+        ref = Reference(base, scaled(base, plan.slo_scale) if plan.slo_scale else {k: plan.slo for k in base})
+        study["slo"].update(reference=v.name, by_kind={k: dataclasses.asdict(x) for k, x in ref.slos.items()})
     for rate in plan.rates:
         bar = ProgressBar(f"{v.name} @ {rate:g} req/s", len(plan.items))
         offsets = arrivals(len(plan.items), rate, plan.seed + 1)
@@ -121,18 +143,8 @@ def _sweep(address: str, v: Variant, plan: StudyPlan, study: dict[str, Any]) -> 
             run_load(address, plan.items, offsets, timeout=plan.request_timeout, on_done=bar.advance)
         )
         bar.close()
-        row: dict[str, Any] = {
-            "variant": v.name,
-            "mode": v.mode,
-            "chunk_budget": v.chunk_budget,
-            "rate": rate,
-        }
-        row |= summarize(traces, duration, slos)
-        row["attainment_by_scale"] = {
-            f"{s:g}": attainment(traces, scaled(study["_base"], s)) for s in plan.slo_scales
-        }
-        row["requests"] = _request_rows(traces)
-        study["rows"].append(row)
+        study["rows"].append(_row(v, rate, traces, duration, ref, plan))
+    return ref
 
 
 def _mark_best(study: dict[str, Any]) -> None:
@@ -175,10 +187,10 @@ def run_study(
         "variants": [{"name": v.name, "mode": v.mode, "chunk_budget": v.chunk_budget} for v in vs],
         "rows": [],
     }
+    ref: Reference | None = None
     for v in vs:
         say(f"{v.name}: starting" if base_spec else f"{v.name}: against {target}")
         with _served(None if base_spec is None else variant_spec(base_spec, v), target) as address:
-            _sweep(address, v, plan, study)
-    del study["_base"], study["_slos"]
+            ref = _sweep(address, v, plan, study, ref)
     _mark_best(study)
     return study

@@ -105,3 +105,20 @@ def test_bad_flags_are_usage_errors(
         build_parser("bench").parse_args(["bench", *flags])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--modes", "disaggregated", "--prefill-chunk-budgets", "128"], "add colocated to --modes"),
+        (["--rates", "1,2", "--scale-rate", "4"], "--scale-rate 4 is not one of --rates"),
+        (["--target", "127.0.0.1:1", "--modes", "colocated,disaggregated"], "several --modes need local"),
+    ],
+)
+def test_contradicting_flags_stop_before_any_cluster(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from splitserve import bench
+
+    assert bench.run(build_parser("bench").parse_args(["bench", *flags])) == 2
+    assert message in capsys.readouterr().err
