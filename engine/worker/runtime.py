@@ -44,6 +44,12 @@ ROLE_PROTO = {
     "decode": serving_pb2.WORKER_ROLE_DECODE,
     "colocated": serving_pb2.WORKER_ROLE_COLOCATED,
 }
+# The roles a worker exchanges P<->D messages with (its links to them connect when they join).
+PARTNERS = {
+    "prefill": frozenset({serving_pb2.WORKER_ROLE_DECODE}),
+    "decode": frozenset({serving_pb2.WORKER_ROLE_PREFILL}),
+    "colocated": frozenset[serving_pb2.WorkerRole.ValueType](),
+}
 
 
 class RegistrationError(RuntimeError):
@@ -106,7 +112,9 @@ class WorkerControl:
         self.incarnation = secrets.randbits(64)
         self.keys, coordinator_key = _control_keys(settings)
         self.ctx = zmq.asyncio.Context()
-        self.links = PeerLinks(self.ctx, settings.worker_id, kv_layout.hash, self.keys)
+        self.links = PeerLinks(
+            self.ctx, settings.worker_id, kv_layout.hash, self.keys, PARTNERS[settings.role]
+        )
         self._auth = (
             ZapHandler(self.ctx, self.links.allows, self.links.wait_allowed).start()
             if self.keys is not None
