@@ -144,10 +144,11 @@ class StepLoop:
         decode_only = out.num_tokens == len(out.scheduled)
         self.metrics.step_seconds.labels("decode" if decode_only else "prefill").observe(seconds)
         if decode_only:
-            self.decode_step_ms = _ema(self.decode_step_ms, seconds * 1e3)
+            self.decode_step_ms = ema(self.decode_step_ms, seconds * 1e3)
         else:
-            self.prefill_us_per_token = _ema(self.prefill_us_per_token, seconds * 1e6 / out.num_tokens)
+            self.prefill_us_per_token = ema(self.prefill_us_per_token, seconds * 1e6 / out.num_tokens)
 
 
-def _ema(old: float, new: float) -> float:
+def ema(old: float, new: float) -> float:
+    """The moving average the router reads: `new` alone first, then weighted by _EMA."""
     return new if old == 0.0 else (1 - _EMA) * old + _EMA * new
