@@ -6,12 +6,14 @@ since) that can hold the whole sequence and whose KV layout equals the prefill w
 
 Prefill worker: the READY one with the lowest *estimated TTFT*
 
-    queue_ms + uncached_tokens x cost_per_token
-    queue_ms = (queued uncached tokens it reported + tokens placed on it since) x cost_per_token
+    compute(queued + uncached_tokens, its step budget)
+    queued = queued uncached tokens it reported + tokens placed on it since
+    compute(n, per_step) = n x cost_per_token + ceil(n / per_step) x step_base
 
-where cost_per_token is the worker's measured prefill cost (the pool's mean until it has one) and
-uncached_tokens is the sequence minus the longest prefix whose chained block hashes the worker
-reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
+where cost_per_token and step_base are the worker's measured step cost (engine/worker/step_cost.py:
+time ~ base + tokens x cost; the pool's mean cost until it has one, no base term until it reports
+its budget and base) and uncached_tokens is the sequence minus the longest prefix whose chained
+block hashes the worker reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
 the queue costs more than the recompute (seed 001, "the cache hit that loses"). A colocated worker is
 its own decode worker.
 
@@ -20,7 +22,7 @@ worker's estimate plus the decode worker's measured KV transfer time; the local 
 worker prefills the prompt itself, in chunks of the step budget its running decodes leave) costs
 
     work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
-    local_ms = work x its cost_per_token + ceil(work / spare) x its decode step
+    local_ms = work x its cost_per_token + ceil(work / spare) x its decode step (>= its step base)
     spare = its step token budget - its running sequences (one decode token each per step)
 
 `conditional` takes the local path when it is cheaper and the uncached prompt is at most
@@ -132,9 +134,15 @@ class Router:
     ) -> tuple[float, int]:
         """(estimated ms to the first token on `worker`, tokens of the sequence it has cached)."""
         cached = self.cached_tokens(worker, token_ids, hashes)
-        cost_ms = self.cost_us_per_token(worker) / 1e3
         queued = worker.load.queued_tokens + worker.pending_tokens
-        return (queued + len(token_ids) - cached) * cost_ms, cached
+        return self.compute_ms(worker, queued + len(token_ids) - cached), cached
+
+    def compute_ms(self, worker: WorkerInfo, tokens: int, per_step: int | None = None) -> float:
+        """Estimated ms for `worker` to compute `tokens`, `per_step` (default: its step budget) a step."""
+        load = worker.load
+        per_step = load.step_token_budget if per_step is None else per_step
+        steps = -(-tokens // per_step) if per_step > 0 else 0
+        return tokens * self.cost_us_per_token(worker) / 1e3 + steps * load.step_base_ms
 
     def estimate_local(
         self, decode: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
@@ -148,7 +156,8 @@ class Router:
         cached = self.cached_tokens(decode, token_ids, hashes)
         work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
         steps = -(-work // spare)
-        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * load.decode_step_ms
+        step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
+        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms
         return LocalEstimate(ttft, cached, spare)
 
     def cached_tokens(
@@ -218,9 +227,7 @@ class Router:
             if prefill is decode:
                 return Placement(prefill, decode, cached, uncached, ttft, needed, COLOCATED_PATH)
             transfer = decode.load.kv_transfer_ms
-            queue_ms = (
-                (prefill.load.queued_tokens + prefill.pending_tokens) * self.cost_us_per_token(prefill) / 1e3
-            )
+            queue_ms = self.compute_ms(prefill, prefill.load.queued_tokens + prefill.pending_tokens)
             total = ttft + transfer
             return Placement(
                 prefill, decode, cached, uncached, total, needed, REMOTE, total, 0.0, transfer, queue_ms

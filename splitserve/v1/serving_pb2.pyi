@@ -1466,6 +1466,7 @@ class WorkerLoad(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_MS_FIELD_NUMBER: _builtins.int
+    STEP_BASE_MS_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1475,7 +1476,11 @@ class WorkerLoad(_message.Message):
     running_requests: _builtins.int
     """Requests being computed (prefill chunks in progress, or sequences in the decode batch)."""
     prefill_us_per_token: _builtins.float
-    """Measured prefill cost per uncached prompt token, microseconds (moving average); 0 until measured."""
+    """Measured cost of one more token in an engine step, microseconds: the slope of a least-squares
+    fit of step time against step tokens over recent steps (the average per token until steps of
+    different sizes were seen); 0 until measured. A step of n tokens takes about
+    step_base_ms + n x prefill_us_per_token / 1000.
+    """
     decode_step_ms: _builtins.float
     """Measured duration of one decode step, milliseconds (moving average); 0 until measured."""
     prefix_cache_query_tokens: _builtins.int
@@ -1488,6 +1493,8 @@ class WorkerLoad(_message.Message):
     """Measured KV transfer time not hidden behind prefill compute, per received request,
     milliseconds (moving average; decode workers); 0 until measured.
     """
+    step_base_ms: _builtins.float
+    """The fixed part of one engine step from the same fit, milliseconds; 0 until known."""
     def __init__(
         self,
         *,
@@ -1500,10 +1507,11 @@ class WorkerLoad(_message.Message):
         prefix_cache_hit_tokens: _builtins.int = ...,
         step_token_budget: _builtins.int = ...,
         kv_transfer_ms: _builtins.float = ...,
+        step_base_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -76,6 +76,22 @@ def test_mostly_cached_prompt_skips_the_hop(served_model: ServedModel) -> None:
     assert placement.remote_ttft_ms == pytest.approx(1000 * 0.05 + 3.0)  # P has none of it
 
 
+def test_step_base_counts_once_per_step_of_the_budget(served_model: ServedModel) -> None:
+    """P measured as 100 ms a step + 1.5 ms a token, 32 tokens a step: 300 queued + 64 new tokens
+    are 12 steps. D (idle, same cost) prefills the 64 tokens in 2 steps of its 100 ms decode step."""
+    pool = Pool(served_model, RoutingPolicy("conditional"))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    step = {"step_token_budget": 32, "step_base_ms": 100.0}
+    pool.report("p", queued_tokens=300, us_per_token=1500.0, **step)
+    pool.report("d", us_per_token=1500.0, decode_step_ms=100.0, **step)
+    placement = pool.router.place(list(range(64)))
+    assert placement is not None and placement.path == LOCAL
+    assert placement.prefill_queue_ms == pytest.approx(300 * 1.5 + 10 * 100.0)
+    assert placement.remote_ttft_ms == pytest.approx(364 * 1.5 + 12 * 100.0)
+    assert placement.local_ttft_ms == pytest.approx(64 * 1.5 + 2 * 100.0)
+
+
 def test_no_spare_step_budget_means_no_local_prefill(served_model: ServedModel) -> None:
     pool = conditional_pool(served_model, p_queued_tokens=4000)
     pool.report("d", **(DECODE_LOAD | {"running_requests": 64}))  # the decodes take the whole budget
