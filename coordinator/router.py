@@ -199,10 +199,10 @@ class Router:
         local = self._place_local(token_ids, hashes, remote)
         if local is None or self.policy.disaggregation == "never":
             return local or remote
-        if remote is not None and (
-            local.uncached_tokens > self.policy.local_prefill_max_tokens
-            or local.local_ttft_ms >= remote.remote_ttft_ms
-        ):
+        too_long = local.uncached_tokens > self.policy.local_prefill_max_tokens
+        if remote is None:  # no prefill worker can take it now: a long prompt waits for one
+            return None if too_long else local
+        if too_long or local.local_ttft_ms >= remote.remote_ttft_ms:
             return _with_local(remote, local)
         return local
 

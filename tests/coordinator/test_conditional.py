@@ -65,6 +65,17 @@ def test_long_prompt_goes_to_the_prefill_worker_however_queued(served_model: Ser
     assert 0 < placement.local_ttft_ms < placement.remote_ttft_ms  # cheaper, but it would hold D
 
 
+def test_without_a_prefill_worker_with_room_only_short_prompts_run_on_the_decode_worker(
+    served_model: ServedModel,
+) -> None:
+    pool = conditional_pool(served_model, p_queued_tokens=0)
+    pool.registry.sweep(now=10.0)  # both silent past the bound; only D heartbeats again
+    pool.report("d", now=10.0, **DECODE_LOAD)
+    short = pool.router.place(list(range(16)))
+    assert short is not None and short.path == LOCAL and short.remote_ttft_ms == 0.0
+    assert pool.router.place(list(range(300))) is None  # waits for a prefill worker, never holds D
+
+
 def test_mostly_cached_prompt_skips_the_hop(served_model: ServedModel) -> None:
     """A follow-up turn whose history D decoded: 992 of its 1,000 tokens are in D's prefix cache."""
     prompt = [t % 700 for t in range(1000)]
