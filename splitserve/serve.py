@@ -8,7 +8,7 @@ import threading
 
 from engine.model_dir import MODEL_HELP
 from engine.worker.settings import TRANSFER_BACKENDS, field_defaults
-from splitserve.cluster import ClusterSpec
+from splitserve.cluster import MODES, ClusterSpec
 from splitserve.launch import choose_log_dir, say, started
 
 
@@ -18,7 +18,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help=MODEL_HELP)
     parser.add_argument("--prefill-workers", type=int, default=spec["prefill_workers"])
     parser.add_argument("--decode-workers", type=int, default=spec["decode_workers"])
-    parser.add_argument("--mode", choices=["disaggregated", "colocated"], default=spec["mode"])
+    parser.add_argument("--mode", choices=MODES, default=spec["mode"])
     parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=spec["transfer_backend"])
     parser.add_argument("--host", default=spec["host"])
     parser.add_argument(

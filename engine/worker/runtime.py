@@ -144,7 +144,7 @@ class WorkerControl:
         self.stop_requested = asyncio.Event()
         self.stop_drain = True
         self.stop_grace_s = settings.drain_timeout_s
-        self._prefix = PrefixEvents(pool) if settings.role != "decode" else None
+        self._prefix = PrefixEvents(pool)  # a decode worker's too: the router weighs prefilling there
         self._heartbeat_seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self.failure = ""  # why a supervised task ended; the worker cannot serve once set
@@ -319,8 +319,7 @@ class WorkerControl:
             load=self.role.load(),
             pool=pool_state(self.pool),
         )
-        if self._prefix is not None:
-            hb.prefix_cache.CopyFrom(self._prefix.next())
+        hb.prefix_cache.CopyFrom(self._prefix.next())
         await self.to_coordinator(envelope(heartbeat=hb))
 
     @property
