@@ -39,8 +39,8 @@ from splitserve.progress import parse as parse_progress
 log = structlog.get_logger(__name__)
 
 READY_PREFIX = "SPLITSERVE_READY "
-# Deployment modes, in one place (flags, `splitserve bench --modes`): a new mode is one entry here.
-MODES = ("disaggregated", "colocated")
+# Deployment modes, in one place (`serve --mode`, `bench --modes`): a new mode is one entry here.
+MODES = ("disaggregated", "colocated", "conditional")  # ClusterSpec.mode
 
 
 class ClusterError(RuntimeError):
@@ -91,7 +91,9 @@ class ClusterSpec:
     model: str = "tiny"
     prefill_workers: int = 1
     decode_workers: int = 1
-    mode: str = "disaggregated"  # or "colocated": decode_workers colocated workers, no prefill pool
+    # "colocated": decode_workers colocated workers, no prefill pool; "conditional": the disaggregated
+    # pools with `--disaggregation conditional` on the coordinator (short prompts prefill on D)
+    mode: str = "disaggregated"
     host: str = "127.0.0.1"
     port: int = 0
     http_port: int = 0
@@ -183,6 +185,7 @@ class LocalCluster:
                     *coordinator_security,
                     "--http-port",
                     str(s.http_port),
+                    *(["--disaggregation", "conditional"] if s.mode == "conditional" else []),
                     *s.coordinator_args,
                 ],
             )

@@ -9,9 +9,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from splitserve.bench.workload import Item
+from splitserve.v1 import serving_pb2
 
 # The server's per-request Timings fields (serving.proto) that the breakdown reports.
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_token_ms", "decode_ms", "total_ms")
+
+
+def path_name(path: serving_pb2.PrefillPath.ValueType) -> str:
+    """`PREFILL_PATH_REMOTE` -> "remote"; "" for unspecified."""
+    if path == serving_pb2.PREFILL_PATH_UNSPECIFIED:
+        return ""
+    return serving_pb2.PrefillPath.Name(path).removeprefix("PREFILL_PATH_").lower()
 
 
 @dataclass(slots=True)
@@ -25,6 +33,7 @@ class RequestTrace:
     sent: float = 0.0
     token_times: list[float] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
+    path: str = ""  # where the router had it prefilled: remote, local or colocated ("" unknown)
     error: str = ""
 
     @property
@@ -76,6 +85,7 @@ async def run_load(
                 elif kind == "finished":
                     t = event.finished.timings
                     trace.timings = {name: float(getattr(t, name)) for name in TIMING_FIELDS}
+                    trace.path = path_name(t.routing.path)
         except grpc.aio.AioRpcError as exc:
             trace.error = f"{exc.code().name}: {exc.details()}"
         if on_done is not None:

@@ -98,6 +98,7 @@ def summarize(traces: list[RequestTrace], duration: float, slos: dict[str, Laten
         "itl_ms": dist([x for t in ok for x in t.itls_ms]),
         "breakdown_ms": mean_breakdown,
         "attainment": attainment(traces, slos),
+        "paths": dict(Counter(t.path for t in ok if t.path)),  # the router's prefill decisions
         "errors": dict(Counter(t.error for t in traces if t.error)),
     }
 

@@ -89,6 +89,7 @@ def _request_rows(traces: list[RequestTrace]) -> list[dict[str, Any]]:
         {
             "kind": t.kind,
             "prompt_len": t.prompt_len,
+            "path": t.path,
             "tokens": len(t.token_times),
             "ttft_ms": t.ttft_ms if t.ok else None,
             "tpot_ms": t.tpot_ms if t.ok else None,

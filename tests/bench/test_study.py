@@ -46,6 +46,7 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
             assert b["first_token_ms"] <= req["ttft_ms"] + TOLERANCE_MS
             assert b["first_token_ms"] <= b["total_ms"]
             assert (b["kv_transfer_ms"] > 0) == (row["mode"] == "disaggregated")
+            assert req["path"] == {"colocated": "colocated", "disaggregated": "remote"}[row["mode"]]
     assert {v["name"]: v["goodput"] in (0.0, 4.0) for v in study["variants"]} == {
         "colocated": True,
         "disaggregated": True,

@@ -88,7 +88,7 @@ def test_pin_and_thread_flags_parse() -> None:
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--modes", "colocated,split"], "'split' is not a mode (disaggregated, colocated)"),
+        (["--modes", "colocated,split"], "'split' is not a mode (disaggregated, colocated, conditional)"),
         (["--rates", "1,fast"], "'fast' is not a rate"),
         (["--prefill-chunk-budgets", "128,-1"], "'-1' is not a positive token count"),
         (["--mix", "half:1024x16"], "SHARE:INxOUT items"),
