@@ -56,7 +56,7 @@ kvbench: setup
 
 # issue 12's serving study (docs/performance.md): the docs-chats mix, each mode on its own cluster, the
 # colocated baseline tuned over chunk budgets; a new mode is one more entry in STUDY_MODES
-STUDY_MODES ?= colocated,disaggregated
+STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
 study: setup
 	$(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256,512 \
