@@ -39,6 +39,7 @@ PACKAGES = (
     *("pyzmq", "structlog", "prometheus-client", "starlette", "uvicorn", "gguf"),
     # pinned: the generated modules check these versions at import
     *("grpcio", "grpcio-health-checking", "grpcio-reflection", "grpcio-status", "protobuf"),
+    "googleapis-common-protos",  # google.rpc, for grpc_status
 )
 PLATFORMS = [f"manylinux_2_{n}_x86_64" for n in (17, 24, 26, 27, 28, 31, 34)] + [
     "manylinux2014_x86_64",

@@ -107,3 +107,29 @@ def test_the_packed_site_stores_identical_libraries_once_and_drops_static_ones(t
     assert [m.name for m in members.values() if m.isfile() and m.name.endswith(".so.0.0.0")]
     assert sum(m.issym() for m in members.values()) == 2
     assert (tmp_path / "site/libdemo/lib/libx.so").read_bytes() == lib
+
+
+def test_the_two_calls_stage_the_model_and_a_cold_second_call_says_what_is_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    repo, model = tmp_path / "repo", tmp_path / "m.gguf"
+    model.write_bytes(os.urandom(5000))
+    (repo / ".gpu/call1").mkdir(parents=True)
+    (repo / ".gpu/call2").mkdir()
+    gpu_stage.split_file(model, repo / ".gpu/call1/model.part0", repo / ".gpu/call2/model.part1", 3000)
+    manifest = json.dumps({"gguf": "m.gguf", "sha256": gpu_stage.sha256(model), "bytes": 5000})
+    for call in ("call1", "call2"):
+        (repo / ".gpu" / call / "manifest.json").write_text(manifest)
+    monkeypatch.setenv("SPLITSERVE_GPU_STAGE", str(tmp_path / "cold"))
+    monkeypatch.chdir(repo)
+    saved = (repo / ".gpu/call1/model.part0").read_bytes()
+    (repo / ".gpu/call1/model.part0").unlink()  # call 1 ran on a machine that went back
+    cold = gpu_stage.prepare(repo)
+    assert cold.gguf is None and "part 0 is not on this machine" in cold.notes[0]
+    (repo / ".gpu/call1/model.part0").write_bytes(saved)
+    monkeypatch.setenv("SPLITSERVE_GPU_STAGE", str(tmp_path / "warm"))
+    assert gpu_stage.main(["receive"]) == 0  # call 1: part 0 leaves the tree the tool replaces
+    assert not (repo / ".gpu/call1/model.part0").exists()
+    warm = gpu_stage.prepare(repo)  # call 2
+    assert warm.gguf == tmp_path / "warm" / "m.gguf" and warm.gguf.read_bytes() == model.read_bytes()
+    assert warm.site is None and not warm.notes
