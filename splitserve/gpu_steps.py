@@ -17,6 +17,7 @@ import secrets
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,14 +44,20 @@ class StepContext:
     model: str  # e2e: a checkpoint directory, a .gguf file, a registered name, or "" (none here)
 
 
-def _python(argv: list[str]) -> subprocess.CompletedProcess[str]:
-    """Run `python -m ...` with its output copied to our stdout (the step's log), captured too."""
-    done = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, check=False, env=os.environ
+def _python(argv: list[str]) -> tuple[int, str]:
+    """Run `python ARGV`, its output streamed into ours (the step's log, readable even when the
+    step is killed at its budget); returns the exit status and the last lines."""
+    proc = subprocess.Popen(
+        [sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=os.environ
     )
-    sys.stdout.write(done.stdout + done.stderr)
-    sys.stdout.flush()
-    return done
+    assert proc.stdout is not None
+    tail: deque[str] = deque(maxlen=6)
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        if line.strip():
+            tail.append(line.strip())
+    return proc.wait(), " | ".join(tail)
 
 
 def kernel_tests(ctx: StepContext) -> StepResult:
@@ -62,17 +69,17 @@ def kernel_tests(ctx: StepContext) -> StepResult:
         argv.append("tests/kernels/test_dispatch.py")
     else:
         argv += ["tests/kernels", "-n", "8", "--dist", "loadgroup"]
-    done = _python(argv)
+    code, tail = _python(argv)
     if not junit.is_file():
-        return StepResult(FAIL, f"pytest exited {done.returncode}", _tail(done.stdout + done.stderr))
+        return StepResult(FAIL, f"pytest exited {code}", tail)
     root = ET.parse(junit).getroot()
     suite = root.find("testsuite") if root.tag == "testsuites" else root
     assert suite is not None
     counts = {k: int(suite.get(k, "0")) for k in ("tests", "failures", "errors", "skipped")}
     passed = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
     key = f"{passed} passed, {counts['failures'] + counts['errors']} failed, {counts['skipped']} skipped"
-    ok = done.returncode == 0 and passed > 0
-    return StepResult(PASS if ok else FAIL, key, "" if ok else _tail(done.stdout))
+    ok = code == 0 and passed > 0
+    return StepResult(PASS if ok else FAIL, key, "" if ok else tail)
 
 
 def kernel_bench(ctx: StepContext) -> StepResult:
@@ -81,16 +88,16 @@ def kernel_bench(ctx: StepContext) -> StepResult:
     argv = ["-m", "kernels.bench", "--json", str(rows_path), "--device", ctx.device]
     if ctx.dry_run:
         argv += ["--shape", "tiny", "--dtype", "float32"]
-    done = _python(argv)
+    code, tail = _python(argv)
     if not rows_path.is_file():
-        return StepResult(FAIL, f"kernels.bench exited {done.returncode}", _tail(done.stdout + done.stderr))
+        return StepResult(FAIL, f"kernels.bench exited {code}", tail)
     rows = json.loads(rows_path.read_text())
     speedups = [r["torch_ms"] / r["triton_ms"] for r in rows]
     key = f"{len(rows)} kernels, speed-up {min(speedups):.2f}x..{max(speedups):.2f}x"
     detail = f"max rel diff {max(r['rel_diff'] for r in rows):.1e}; " + ", ".join(
         f"{r['name'].split()[0]} {s:.2f}x" for r, s in zip(rows, speedups, strict=True)
     )
-    return StepResult(PASS if done.returncode == 0 else FAIL, key, detail)
+    return StepResult(PASS if code == 0 else FAIL, key, detail if code == 0 else f"{tail}; {detail}")
 
 
 def kvbench(ctx: StepContext) -> StepResult:
@@ -103,9 +110,9 @@ def kvbench(ctx: StepContext) -> StepResult:
     argv = ["-m", "kvtransfer.bench.cli", "run", "--backend", "ucx", "--device", ctx.device]
     argv += ["--sizes", sizes, "--ring-bytes", ring, "--duration", duration, "--repeats", repeats]
     argv += ["--json", str(rows_path), "--agent-log", str(ctx.work / "kvbench-agents.log")]
-    done = _python(argv)
+    code, tail = _python(argv)
     if not rows_path.is_file():
-        return StepResult(FAIL, f"kvbench exited {done.returncode}", _tail(done.stdout + done.stderr))
+        return StepResult(FAIL, f"kvbench exited {code}", tail)
     rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
     big = max(rows, key=lambda r: r["size_bytes"])
     baseline = "memcpy" if ctx.device == "cpu" else "d2d"
@@ -113,7 +120,7 @@ def kvbench(ctx: StepContext) -> StepResult:
     lanes = big["transport"]
     detail = "; ".join(f"{r['size']} {r['gbps']:.1f} GB/s ({r['ratio']:.2f}x)" for r in rows)
     detail += f"; lanes {lanes}"
-    if not all(r["verified"] for r in rows) or done.returncode != 0:
+    if not all(r["verified"] for r in rows) or code != 0:
         return StepResult(FAIL, key, "verification failed; " + detail)
     if not ctx.dry_run and "cuda_ipc" not in lanes:
         return StepResult(FAIL, key, "no cuda_ipc lane: UCX fell back; " + detail)
@@ -216,10 +223,6 @@ def _lanes(log_dir: Path) -> str:
                 except (ValueError, KeyError):
                     return line[-200:]
     return "lanes not logged"
-
-
-def _tail(text: str, lines: int = 6) -> str:
-    return " | ".join(line for line in text.strip().splitlines()[-lines:])
 
 
 STEPS: dict[str, Callable[[StepContext], StepResult]] = {
