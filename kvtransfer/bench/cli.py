@@ -5,8 +5,8 @@
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
 
-Prints a single-thread memcpy baseline first, then one row per point with its ratio to it.
-Exits 1 when any verification failed.
+Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
+one row per point with its ratio to it. Exits 1 when any verification failed.
 """
 
 from __future__ import annotations
@@ -71,6 +71,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=None,
         help="bytes each side rotates through (default: 4x the LLC; smaller rings measure the cache)",
     )
+    run.add_argument(
+        "--device", default="cpu", help="where both agents' buffers live (cuda: cuda_ipc, d2d baseline)"
+    )
     run.add_argument("--agent-log", type=Path, default=Path(tempfile.gettempdir()) / "kvbench-agents.log")
     serve = sub.add_parser("serve", help="run the receiver agent for a remote `kvbench run --peer`")
     serve.add_argument("--backend", choices=sorted(runner.BACKEND_ARGS), required=True)
@@ -101,6 +104,7 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         agent_log=args.agent_log.open("a"),
         pin_agents=args.pin_agents,
         ring_bytes=args.ring_bytes,
+        device=args.device,
     )
     unknown = [b for b in cfg.backends if b not in runner.BACKEND_ARGS]
     if unknown:
@@ -109,14 +113,19 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
 
     def memcpy_for(size: int) -> float:
         if size not in memcpy:
-            memcpy[size] = memcpy_gbps(size, args.duration, args.ring_bytes)
+            memcpy[size] = memcpy_gbps(size, args.duration, args.ring_bytes, args.device)
         return memcpy[size]
 
     if cfg.model_shape is None:
         for size in cfg.sizes:
             memcpy_for(size)
         ring = report.format_size(args.ring_bytes or default_ring_bytes())
-        print(f"memcpy baseline (1 thread, buffers rotated through {ring} per size):")
+        kind = (
+            f"device-to-device baseline (copy_ on {args.device}"
+            if args.device != "cpu"
+            else "memcpy baseline (1 thread"
+        )
+        print(f"{kind}, buffers rotated through {ring} per size):")
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
         points = len(cfg.backends) * len(cfg.sizes) * len(cfg.depths)
     else:
