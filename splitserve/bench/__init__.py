@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
-from splitserve.bench.study import StudyPlan, run_study, variants
+from splitserve.bench.study import CONTROL_PLANES, StudyPlan, run_study, variants
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
 from splitserve.cluster import MODES
 from splitserve.serve import add_cluster_arguments, cluster_spec
@@ -62,6 +62,12 @@ def _mode(text: str) -> str:
     return text
 
 
+def _control_plane(text: str) -> str:
+    if text not in CONTROL_PLANES:
+        raise ValueError(text)
+    return text
+
+
 def _mix(text: str) -> object:
     try:
         return parse_mix(text)
@@ -84,6 +90,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_csv(int, "a positive token count", lambda n: n > 0),
         default=[],
         help="colocated only: one variant per per-step token budget (e.g. 128,256,512); the best is marked",
+    )
+    a(
+        "--control-planes",
+        type=_csv(_control_plane, f"a control plane ({', '.join(CONTROL_PLANES)})"),
+        default=None,
+        help="curve,plain: each variant with CurveZMQ and with --insecure-control-plane (its cost, side "
+        "by side; default: as --insecure-control-plane says)",
+    )
+    a(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants this many times, every other round in reverse order (A B B A ...)",
     )
     a(
         "--rates",
@@ -159,8 +178,10 @@ def _usage_error(args: argparse.Namespace) -> str:
     modes = args.modes or [args.mode]
     if args.prefill_chunk_budgets and "colocated" not in modes:
         return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
-    if args.num_requests < 1 or args.unloaded_probes < 1:
-        return "--num-requests and --unloaded-probes must be >= 1"
+    if args.num_requests < 1 or args.unloaded_probes < 1 or args.rounds < 1:
+        return "--num-requests, --unloaded-probes and --rounds must be >= 1"
+    if args.target and (args.control_planes or args.rounds > 1):
+        return "--control-planes and --rounds start local clusters: drop --target"
     if args.scale_rate is not None and args.scale_rate not in args.rates:
         return f"--scale-rate {args.scale_rate:g} is not one of --rates"
     if args.target and args.modes and len(args.modes) > 1:
@@ -188,7 +209,9 @@ def run(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),
     )
-    vs = variants(["remote"] if args.target else (args.modes or [args.mode]), args.prefill_chunk_budgets)
+    planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
+    modes = ["remote"] if args.target else (args.modes or [args.mode])
+    vs = variants(modes, args.prefill_chunk_budgets, planes, args.rounds)
     study = run_study(plan, vs, None if args.target else cluster_spec(args), args.target, say=say)
     study["workload"] = {
         "num_requests": len(plan.items),

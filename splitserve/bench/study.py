@@ -3,17 +3,24 @@ workload and arrivals, unloaded baselines first, then the rate sweep; the result
 
 A variant is a mode (splitserve.cluster.MODES) plus, for colocated, a chunked-prefill token budget
 (the worker's `--max-num-batched-tokens`): the baseline is tuned by sweeping it, and the best budget
-(highest goodput, then highest mean attainment) is marked.
+(highest goodput, then highest mean attainment) is marked. A variant also names its control plane
+(CurveZMQ, or plaintext under --insecure-control-plane) and, with repeats, its round: rounds
+alternate the variants' order (A B, B A, ...) so that drift on a shared machine hits both alike.
+
+Each row also carries the CPU seconds the local cluster's processes (coordinator and workers) spent
+per request at that rate, read from /proc: on a busy machine a steadier cost measure than wall time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import statistics
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from splitserve.bench.load import RequestTrace, run_load, run_sequential
@@ -34,30 +41,64 @@ from splitserve.cluster import ClusterSpec, LocalCluster
 BUDGET_FLAG = "--max-num-batched-tokens"  # the engine's per-step (chunked-prefill) token budget
 
 
+CONTROL_PLANES = ("curve", "plain")  # plain: --insecure-control-plane
+TICKS_PER_S = os.sysconf("SC_CLK_TCK")
+
+
 @dataclass(frozen=True, slots=True)
 class Variant:
     mode: str
     chunk_budget: int | None = None
+    control_plane: str = "curve"
+    round: int = 0  # 0-based; named only when the study has several rounds
+    rounds: int = 1
+    compares_planes: bool = False  # the study runs both control planes: "+plain" names the plaintext one
 
     @property
     def name(self) -> str:
-        return self.mode if self.chunk_budget is None else f"{self.mode}@{self.chunk_budget}"
+        name = self.mode if self.chunk_budget is None else f"{self.mode}@{self.chunk_budget}"
+        name += "+plain" if self.compares_planes and self.control_plane == "plain" else ""
+        return name if self.rounds == 1 else f"{name}#{self.round + 1}"
 
 
-def variants(modes: list[str], budgets: list[int]) -> list[Variant]:
-    """One variant per mode; colocated once per chunk budget when budgets are given."""
+def variants(
+    modes: list[str], budgets: list[int], control_planes: list[str] | None = None, rounds: int = 1
+) -> list[Variant]:
+    """One variant per mode (colocated once per chunk budget when budgets are given) and control
+    plane, `rounds` times, every other round in reverse order."""
+    planes = control_planes or ["curve"]
     out = []
-    for mode in modes:
-        tuned: list[int | None] = list(budgets) if mode == "colocated" and budgets else [None]
-        out += [Variant(mode, b) for b in tuned]
+    for r in range(rounds):
+        one = []
+        for mode in modes:
+            tuned: list[int | None] = list(budgets) if mode == "colocated" and budgets else [None]
+            for plane in planes:
+                one += [Variant(mode, b, plane, r, rounds, len(set(planes)) > 1) for b in tuned]
+        out += one if r % 2 == 0 else one[::-1]
     return out
 
 
 def variant_spec(base: ClusterSpec, v: Variant) -> ClusterSpec:
-    """`base` in `v`'s mode, its worker args carrying `v`'s chunk budget; logs in a subdirectory."""
+    """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget; logs in a
+    subdirectory."""
     extra = [] if v.chunk_budget is None else [BUDGET_FLAG, str(v.chunk_budget)]
     log_dir = None if base.log_dir is None else base.log_dir / v.name
-    return dataclasses.replace(base, mode=v.mode, decode_args=[*base.decode_args, *extra], log_dir=log_dir)
+    return dataclasses.replace(
+        base,
+        mode=v.mode,
+        decode_args=[*base.decode_args, *extra],
+        log_dir=log_dir,
+        insecure_control_plane=v.control_plane == "plain",
+    )
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds the processes `pids` have used so far (Linux /proc)."""
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / TICKS_PER_S
 
 
 @dataclass(slots=True)
@@ -120,7 +161,14 @@ def _unloaded(address: str, plan: StudyPlan) -> dict[str, Latency]:
 def _row(
     v: Variant, rate: float, traces: list[RequestTrace], duration: float, ref: Reference, plan: StudyPlan
 ) -> dict[str, Any]:
-    row: dict[str, Any] = {"variant": v.name, "mode": v.mode, "chunk_budget": v.chunk_budget, "rate": rate}
+    row: dict[str, Any] = {
+        "variant": v.name,
+        "mode": v.mode,
+        "chunk_budget": v.chunk_budget,
+        "control_plane": v.control_plane,
+        "round": v.round,
+        "rate": rate,
+    }
     row |= summarize(traces, duration, ref.slos)
     row["attainment_by_scale"] = {f"{s:g}": attainment(traces, scaled(ref.base, s)) for s in plan.slo_scales}
     row["requests"] = _request_rows(traces)
@@ -128,10 +176,11 @@ def _row(
 
 
 def _sweep(
-    address: str, v: Variant, plan: StudyPlan, study: dict[str, Any], ref: Reference | None
+    served: Served, v: Variant, plan: StudyPlan, study: dict[str, Any], ref: Reference | None
 ) -> Reference:
     """Unloaded probes, then every rate, against one server; appends to `study`. The first variant
     (`ref` None) sets the reference that it returns."""
+    address = served.address
     base = _unloaded(address, plan)
     study["unloaded"][v.name] = {k: dataclasses.asdict(x) for k, x in base.items()}
     if ref is None:
@@ -140,11 +189,15 @@ def _sweep(
     for rate in plan.rates:
         bar = ProgressBar(f"{v.name} @ {rate:g} req/s", len(plan.items))
         offsets = arrivals(len(plan.items), rate, plan.seed + 1)
+        cpu0 = cpu_seconds(served.pids)
         traces, duration = asyncio.run(
             run_load(address, plan.items, offsets, timeout=plan.request_timeout, on_done=bar.advance)
         )
+        cpu = cpu_seconds(served.pids) - cpu0
         bar.close()
-        study["rows"].append(_row(v, rate, traces, duration, ref, plan))
+        row = _row(v, rate, traces, duration, ref, plan)
+        row["cluster_cpu_ms_per_request"] = cpu / len(traces) * 1e3 if served.pids else None
+        study["rows"].append(row)
     return ref
 
 
@@ -160,15 +213,23 @@ def _mark_best(study: dict[str, Any]) -> None:
         max(tuned, key=lambda v: (v["goodput"], v["mean_attainment"]))["best"] = True
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The server a variant loads: its gRPC address and, for a local cluster, its processes' pids."""
+
+    address: str
+    pids: list[int]
+
+
 @contextmanager
-def _served(spec: ClusterSpec | None, target: str | None) -> Iterator[str]:
-    """The address to load: `target`, or a fresh local cluster of `spec` for the duration."""
+def _served(spec: ClusterSpec | None, target: str | None) -> Iterator[Served]:
+    """`target`, or a fresh local cluster of `spec` for the duration."""
     if spec is None:
         assert target is not None
-        yield target
+        yield Served(target, [])
         return
     with LocalCluster(spec, ready_timeout=300) as cluster:
-        yield cluster.grpc_address
+        yield Served(cluster.grpc_address, [p.proc.pid for p in cluster.processes])
 
 
 def run_study(
@@ -185,13 +246,16 @@ def run_study(
         "scale_rate": plan.scale_rate,
         "goodput_target": GOODPUT_TARGET,
         "unloaded": {},
-        "variants": [{"name": v.name, "mode": v.mode, "chunk_budget": v.chunk_budget} for v in vs],
+        "variants": [
+            {"name": v.name, "mode": v.mode, "chunk_budget": v.chunk_budget, "control_plane": v.control_plane}
+            for v in vs
+        ],
         "rows": [],
     }
     ref: Reference | None = None
     for v in vs:
         say(f"{v.name}: starting" if base_spec else f"{v.name}: against {target}")
-        with _served(None if base_spec is None else variant_spec(base_spec, v), target) as address:
-            ref = _sweep(address, v, plan, study, ref)
+        with _served(None if base_spec is None else variant_spec(base_spec, v), target) as served:
+            ref = _sweep(served, v, plan, study, ref)
     _mark_best(study)
     return study

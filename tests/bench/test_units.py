@@ -96,6 +96,7 @@ def test_pin_and_thread_flags_parse() -> None:
         (["--pin", "decode=1-0"], "bad CPU range"),
         (["--threads", "decode=0"], "thread counts must be >= 1"),
         (["--mix", "docs-chats", "--dataset", "x.jsonl"], "not allowed with argument"),
+        (["--control-planes", "curve,tls"], "'tls' is not a control plane (curve, plain)"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -112,6 +113,10 @@ def test_bad_flags_are_usage_errors(
     [
         (["--modes", "disaggregated", "--prefill-chunk-budgets", "128"], "add colocated to --modes"),
         (["--rates", "1,2", "--scale-rate", "4"], "--scale-rate 4 is not one of --rates"),
+        (
+            ["--target", "127.0.0.1:1", "--control-planes", "curve,plain"],
+            "start local clusters: drop --target",
+        ),
         (["--target", "127.0.0.1:1", "--modes", "colocated,disaggregated"], "several --modes need local"),
     ],
 )
@@ -122,3 +127,28 @@ def test_contradicting_flags_stop_before_any_cluster(
 
     assert bench.run(build_parser("bench").parse_args(["bench", *flags])) == 2
     assert message in capsys.readouterr().err
+
+
+def test_control_planes_and_rounds_alternate_the_order_and_set_the_flag() -> None:
+    vs = variants(["disaggregated"], [], ["curve", "plain"], rounds=3)
+    assert [v.name for v in vs] == [
+        "disaggregated#1",
+        "disaggregated+plain#1",
+        "disaggregated+plain#2",
+        "disaggregated#2",
+        "disaggregated#3",
+        "disaggregated+plain#3",
+    ]
+    base = ClusterSpec(insecure_control_plane=True)
+    assert [variant_spec(base, v).insecure_control_plane for v in vs[:2]] == [False, True]
+    assert [v.name for v in variants(["colocated"], [], None)] == ["colocated"]
+
+
+def test_cluster_cpu_seconds_are_read_from_proc() -> None:
+    import os
+
+    from splitserve.bench.study import cpu_seconds
+
+    before = cpu_seconds([os.getpid()])
+    sum(i * i for i in range(2_000_000))  # burn some CPU in this process
+    assert cpu_seconds([os.getpid()]) > before
