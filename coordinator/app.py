@@ -30,6 +30,7 @@ from coordinator.http.server import HttpServer
 from coordinator.metrics import CoordinatorMetrics, serve_metrics
 from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
+from coordinator.routing_policy import RoutingPolicy
 from coordinator.rpc_handlers import add_service
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.server import AdminServicer, InferenceServicer, ModelServicer
@@ -86,6 +87,7 @@ class CoordinatorConfig:
     control_key: str = ""  # this coordinator's .key_secret file (CURVE server key)
     control_authorized_keys: str = ""  # dir of worker public keys, each file named for its role
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
+    routing: RoutingPolicy = field(default_factory=RoutingPolicy)  # --disaggregation and its limit
 
     def __post_init__(self) -> None:
         """ValueError naming the flag to pass when the TLS flags are inconsistent or a plaintext
@@ -140,7 +142,7 @@ class Coordinator:
         self.dispatcher = Dispatcher(
             self.table,
             self.registry,
-            Router(self.registry),
+            Router(self.registry, cfg.routing),
             self.metrics,
             outbox.post,
             max_queue=cfg.max_queue,

@@ -6,6 +6,10 @@ generation. Outputs of older generations are dropped by the request table from t
 
     submit       never-fitting prompt (PROMPT_TOO_LONG) -> table.insert (ALREADY_EXISTS) -> queue
                  (QUEUE_FULL) -> pump
+    dispatch     Prefill to P and Decode to D at once; or Decode alone (no prefill peer) when one
+                 worker does both: a colocated worker, or a decode worker prefilling locally
+                 (conditional disaggregation); the decision goes in Timings.routing and the
+                 `decision` label of splitserve_coordinator_placements
     pump         parked requests first (their prefill is running), then the queue in order; a request
                  that cannot be placed now does not hold the ones behind it (backfill), and one that
                  no registered decode pool could ever hold fails with the limit
@@ -160,19 +164,24 @@ class Dispatcher:
         record.prefill_worker = placement.prefill.worker_id
         record.decode_worker = placement.decode.worker_id
         self.router.commit(placement)
+        record.stats.routing = placement.routing()
+        self.metrics.placements.labels(placement.decision).inc()
         request = record.admitted.execution_request(record.rid, record.generation, record.output_token_ids)
         record.dispatched = request
         log.debug(
             "placed",
             rid=record.rid,
             generation=record.generation,
+            decision=placement.decision,
             prefill=record.prefill_worker,
             decode=record.decode_worker,
             cached_tokens=placement.cached_tokens,
             estimated_ttft_ms=round(placement.estimated_ttft_ms, 2),
+            remote_ttft_ms=round(placement.remote_ttft_ms, 2),
+            local_ttft_ms=round(placement.local_ttft_ms, 2),
         )
         decode_endpoint = placement.decode.register.endpoint
-        if placement.colocated:
+        if placement.colocated:  # colocated, or conditional disaggregation's local prefill on D
             self.post(record.decode_worker, envelope(decode=control_pb2.Decode(request=request)))
             return
         prefill_endpoint = placement.prefill.register.endpoint

@@ -76,6 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)"
     )
+    _add_routing_flags(parser)
     parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
     parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
     parser.add_argument("--heartbeat-interval-ms", type=int, default=500, help="worker heartbeat period")
@@ -91,6 +92,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="",
         help="dir of worker public keys (*.key) allowed on the control plane; each file name starts "
         "with the role the key may register as (prefill, decode, colocated)",
+    )
+
+
+def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
+    from dataclasses import fields
+
+    from coordinator.routing_policy import DISAGGREGATION, RoutingPolicy
+
+    default = {f.name: f.default for f in fields(RoutingPolicy)}
+    parser.add_argument(
+        "--disaggregation",
+        choices=DISAGGREGATION,
+        default=default["disaggregation"],
+        help="always: prefill on a prefill worker and ship the KV; never: the decode worker prefills; "
+        "conditional: per request, the path with the lower estimated TTFT (docs/architecture.md)",
+    )
+    parser.add_argument(
+        "--local-prefill-max-tokens",
+        type=int,
+        default=default["local_prefill_max_tokens"],
+        help="conditional: longest uncached prompt a decode worker prefills itself",
     )
 
 
@@ -142,6 +164,7 @@ def _config(
 ) -> CoordinatorConfig:
     from coordinator.app import CoordinatorConfig
     from coordinator.chat import TemplateLimits
+    from coordinator.routing_policy import RoutingPolicy
 
     templates = TemplateLimits(
         allow_request_template=args.allow_request_chat_template,
@@ -177,6 +200,7 @@ def _config(
         control_key=args.control_key,
         control_authorized_keys=args.control_authorized_keys,
         insecure_control_plane=bool(args.insecure_control_plane),
+        routing=RoutingPolicy(args.disaggregation, args.local_prefill_max_tokens),
     )
 
 

@@ -41,6 +41,13 @@ class CoordinatorMetrics:
             ["cause"],
             registry=r,
         )
+        self.placements = Counter(
+            "splitserve_coordinator_placements",
+            "Placements (first and resumed), by decision: remote (prefill worker, KV shipped), local "
+            "(the decode worker prefills itself) or colocated.",
+            ["decision"],
+            registry=r,
+        )
         self.ttft = Histogram(
             "splitserve_coordinator_ttft_seconds",
             "Arrival to first token sent.",

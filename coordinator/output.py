@@ -133,6 +133,7 @@ class OutputAssembler:
                 first_token_ms=((first or now) - arrival) * 1e3,
                 decode_ms=((last or now) - (first or now)) * 1e3,
                 total_ms=(now - arrival) * 1e3,
+                routing=stats.routing,
             ),
         )
         if end.stop_string is not None:

@@ -83,6 +83,7 @@ class RequestStats:
     kv_transfer_ms: float = 0.0
     cached_prompt_tokens: int | None = None  # from the first prefill
     preemptions: int = 0
+    routing: serving_pb2.RoutingDecision | None = None  # the last placement's (the dispatcher's)
 
 
 @dataclass(slots=True, eq=False)

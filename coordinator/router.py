@@ -1,46 +1,103 @@
-"""Placement: which prefill worker computes a request's KV, which decode worker receives and decodes it.
+"""Placement: which prefill worker computes a request's KV, which decode worker receives and decodes it,
+and whether the hop is worth it at all (conditional disaggregation).
 
 Decode worker: the READY one with the most allocatable KV blocks (last report less what was placed
 since) that can hold the whole sequence and whose KV layout equals the prefill worker's.
 
 Prefill worker: the READY one with the lowest *estimated TTFT*
 
-    queue_ms + uncached_tokens x cost_per_token
-    queue_ms = (queued uncached tokens it reported + tokens placed on it since) x cost_per_token
+    compute(queued + uncached_tokens, its step budget)
+    queued = queued uncached tokens it reported + tokens placed on it since
+    compute(n, per_step) = n x cost_per_token + ceil(n / per_step) x step_base
 
-where cost_per_token is the worker's measured prefill cost (the pool's mean until it has one) and
-uncached_tokens is the sequence minus the longest prefix whose chained block hashes the worker
-reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
+where cost_per_token and step_base are the worker's measured step cost (engine/worker/step_cost.py:
+time ~ base + tokens x cost; the pool's mean cost until it has one, no base term until it reports
+its budget and base) and uncached_tokens is the sequence minus the longest prefix whose chained
+block hashes the worker reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
 the queue costs more than the recompute (seed 001, "the cache hit that loses"). A colocated worker is
 its own decode worker.
+
+Conditional disaggregation (`RoutingPolicy.disaggregation`): the remote path costs the prefill
+worker's estimate plus the decode worker's measured KV transfer time; the local path (the decode
+worker prefills the prompt itself, in chunks of the step budget its running decodes leave) costs
+
+    work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
+    local_ms = work x its cost_per_token + ceil(work / spare) x its decode step (>= its step base)
+    spare = its step token budget - its running sequences (one decode token each per step)
+
+`conditional` takes the local path when it is cheaper and the uncached prompt is at most
+`local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core);
+`always` never prefills on a decode worker; `never` always does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from coordinator.routing_policy import RoutingPolicy
 from coordinator.workers import COLOCATED, DECODE, WorkerInfo, WorkerRegistry
 from engine.block_pool import hash_block
+from splitserve.v1 import serving_pb2
 
 # used until some prefill worker has measured its cost (microseconds per uncached prompt token)
 DEFAULT_PREFILL_US_PER_TOKEN = 100.0
+REMOTE, LOCAL, COLOCATED_PATH = (
+    serving_pb2.PREFILL_PATH_REMOTE,
+    serving_pb2.PREFILL_PATH_LOCAL,
+    serving_pb2.PREFILL_PATH_COLOCATED,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Placement:
-    """The router's choice for one request generation, with the numbers behind it (for logs)."""
+    """The router's choice for one request generation, with the numbers behind it (for logs and the
+    request's Timings.routing)."""
 
-    prefill: WorkerInfo  # the colocated worker itself when `colocated`
+    prefill: WorkerInfo  # the decode worker itself on the LOCAL and COLOCATED paths
     decode: WorkerInfo
     cached_tokens: int
     uncached_tokens: int
     estimated_ttft_ms: float
     needed_blocks: int
+    path: serving_pb2.PrefillPath.ValueType = REMOTE
+    remote_ttft_ms: float = 0.0
+    local_ttft_ms: float = 0.0
+    transfer_ms: float = 0.0
+    prefill_queue_ms: float = 0.0
+    decode_spare_tokens: int = 0
 
     @property
     def colocated(self) -> bool:
+        """One worker prefills and decodes (LOCAL or COLOCATED): no KV crosses a process."""
         return self.prefill is self.decode
+
+    @property
+    def decision(self) -> str:
+        """The path's name for logs and the `decision` metric label: remote, local or colocated."""
+        return serving_pb2.PrefillPath.Name(self.path).removeprefix("PREFILL_PATH_").lower()
+
+    def routing(self) -> serving_pb2.RoutingDecision:
+        return serving_pb2.RoutingDecision(
+            path=self.path,
+            estimated_ttft_ms=self.estimated_ttft_ms,
+            remote_ttft_ms=self.remote_ttft_ms,
+            local_ttft_ms=self.local_ttft_ms,
+            transfer_ms=self.transfer_ms,
+            cached_tokens=self.cached_tokens,
+            uncached_tokens=self.uncached_tokens,
+            prefill_queue_ms=self.prefill_queue_ms,
+            decode_spare_tokens=self.decode_spare_tokens,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class LocalEstimate:
+    """A decode worker's estimate for prefilling a sequence itself."""
+
+    ttft_ms: float
+    cached_tokens: int
+    spare_tokens: int  # step budget its running decodes leave
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, model_identity: str) -> list[int]:
@@ -62,8 +119,9 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class Router:
     """Stateless policy over the registry; `commit` records what it placed until the next report."""
 
-    def __init__(self, registry: WorkerRegistry) -> None:
+    def __init__(self, registry: WorkerRegistry, policy: RoutingPolicy | None = None) -> None:
         self.registry = registry
+        self.policy = policy or RoutingPolicy()
 
     def cost_us_per_token(self, worker: WorkerInfo) -> float:
         if worker.load.prefill_us_per_token > 0:
@@ -75,6 +133,37 @@ class Router:
         self, worker: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
     ) -> tuple[float, int]:
         """(estimated ms to the first token on `worker`, tokens of the sequence it has cached)."""
+        cached = self.cached_tokens(worker, token_ids, hashes)
+        queued = worker.load.queued_tokens + worker.pending_tokens
+        return self.compute_ms(worker, queued + len(token_ids) - cached), cached
+
+    def compute_ms(self, worker: WorkerInfo, tokens: int, per_step: int | None = None) -> float:
+        """Estimated ms for `worker` to compute `tokens`, `per_step` (default: its step budget) a step."""
+        load = worker.load
+        per_step = load.step_token_budget if per_step is None else per_step
+        steps = -(-tokens // per_step) if per_step > 0 else 0
+        return tokens * self.cost_us_per_token(worker) / 1e3 + steps * load.step_base_ms
+
+    def estimate_local(
+        self, decode: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
+    ) -> LocalEstimate | None:
+        """`decode` prefilling the sequence itself within its spare step budget; None when its
+        running decodes leave no budget (or it has not reported its budget yet)."""
+        load = decode.load
+        spare = load.step_token_budget - load.running_requests
+        if spare <= 0:
+            return None
+        cached = self.cached_tokens(decode, token_ids, hashes)
+        work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
+        steps = -(-work // spare)
+        step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
+        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms
+        return LocalEstimate(ttft, cached, spare)
+
+    def cached_tokens(
+        self, worker: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
+    ) -> int:
+        """Tokens of the sequence's longest prefix that `worker` reported in its prefix events."""
         cached = 0
         if worker.prefix_hashes:
             keys = _hashes_for(token_ids, worker.block_size, self.registry.model.identity, hashes)
@@ -82,9 +171,7 @@ class Router:
                 if key not in worker.prefix_hashes:
                     break
                 cached += worker.block_size
-        cost_ms = self.cost_us_per_token(worker) / 1e3
-        queued = worker.load.queued_tokens + worker.pending_tokens
-        return (queued + len(token_ids) - cached) * cost_ms, cached
+        return cached
 
     def choose_decode(
         self, num_tokens: int, layout_hash: str, exclude: frozenset[str] = frozenset()
@@ -103,9 +190,25 @@ class Router:
         return min(fits, key=lambda w: (-w.free_blocks_estimate, w.load.running_requests, w.worker_id))
 
     def place(self, token_ids: Sequence[int]) -> Placement | None:
-        """Best (prefill, decode) for the sequence `token_ids` (prompt + output so far), or None when
-        no READY pair has room now."""
+        """Best placement for the sequence `token_ids` (prompt + output so far) under the policy, or
+        None when no READY worker has room now."""
         hashes: dict[int, list[int]] = {}
+        remote = self._place_remote(token_ids, hashes)
+        if self.policy.disaggregation == "always" or (remote is not None and remote.path == COLOCATED_PATH):
+            return remote
+        local = self._place_local(token_ids, hashes, remote)
+        if local is None or self.policy.disaggregation == "never":
+            return local or remote
+        too_long = local.uncached_tokens > self.policy.local_prefill_max_tokens
+        if remote is None:  # no prefill worker can take it now: a long prompt waits for one
+            return None if too_long else local
+        if too_long or local.local_ttft_ms >= remote.remote_ttft_ms:
+            return _with_local(remote, local)
+        return local
+
+    def _place_remote(self, token_ids: Sequence[int], hashes: dict[int, list[int]]) -> Placement | None:
+        """The lowest-TTFT prefill worker that pairs with a decode worker with room (or a colocated
+        worker with room), with the transfer estimate of that decode worker."""
         options = []
         for worker in self.registry.ready():
             if worker.does_prefill:
@@ -117,10 +220,56 @@ class Router:
                 decode = prefill if fits else None
             else:
                 decode = self.choose_decode(len(token_ids), prefill.layout_hash)
-            if decode is not None:
-                needed = blocks_for(len(token_ids), decode.block_size)
-                return Placement(prefill, decode, cached, len(token_ids) - cached, ttft, needed)
+            if decode is None:
+                continue
+            needed = blocks_for(len(token_ids), decode.block_size)
+            uncached = len(token_ids) - cached
+            if prefill is decode:
+                return Placement(prefill, decode, cached, uncached, ttft, needed, COLOCATED_PATH)
+            transfer = decode.load.kv_transfer_ms
+            queue_ms = self.compute_ms(prefill, prefill.load.queued_tokens + prefill.pending_tokens)
+            total = ttft + transfer
+            return Placement(
+                prefill, decode, cached, uncached, total, needed, REMOTE, total, 0.0, transfer, queue_ms
+            )
         return None
+
+    def _place_local(
+        self, token_ids: Sequence[int], hashes: dict[int, list[int]], remote: Placement | None
+    ) -> Placement | None:
+        """The decode worker with room and the lowest local estimate (`never`: with room, by free
+        blocks, even without spare budget); None when none has both."""
+        best: tuple[float, str, WorkerInfo, LocalEstimate | None] | None = None
+        for decode in self.registry.ready():
+            if decode.role != DECODE or decode.free_blocks_estimate < blocks_for(
+                len(token_ids), decode.block_size
+            ):
+                continue
+            est = self.estimate_local(decode, token_ids, hashes)
+            if est is None and self.policy.disaggregation != "never":
+                continue
+            key = est.ttft_ms if est is not None else float("inf")
+            if best is None or (key, decode.worker_id) < (best[0], best[1]):
+                best = (key, decode.worker_id, decode, est)
+        if best is None:
+            return None
+        _, _, decode, est = best
+        cached = est.cached_tokens if est is not None else self.cached_tokens(decode, token_ids, hashes)
+        ttft = est.ttft_ms if est is not None else 0.0
+        return Placement(
+            decode,
+            decode,
+            cached,
+            len(token_ids) - cached,
+            ttft,
+            blocks_for(len(token_ids), decode.block_size),
+            LOCAL,
+            remote.remote_ttft_ms if remote is not None else 0.0,
+            ttft,
+            remote.transfer_ms if remote is not None else 0.0,
+            remote.prefill_queue_ms if remote is not None else 0.0,
+            est.spare_tokens if est is not None else 0,
+        )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
         """(blocks needed, the largest registered decode-capable pool) when no such pool, of any
@@ -148,3 +297,8 @@ def _hashes_for(
     if block_size not in memo:
         memo[block_size] = prefix_block_hashes(token_ids, block_size, identity)
     return memo[block_size]
+
+
+def _with_local(remote: Placement, local: Placement) -> Placement:
+    """The remote placement carrying the local estimate it beat (for Timings.routing)."""
+    return replace(remote, local_ttft_ms=local.local_ttft_ms, decode_spare_tokens=local.decode_spare_tokens)

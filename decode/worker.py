@@ -13,9 +13,12 @@ Decode with a prefill peer (disaggregated):
     each step ──► one TokenBatch for every request that produced a token (offsets per request)
     out of blocks ──► preempted: blocks freed, Preempted to the coordinator (it resumes via prefill)
 
-Decode without a prefill peer (the colocated worker, `--mode colocated`): the request is prefilled
-here with chunked prefill; its first token goes out as PrefillDone, the rest as TokenBatch, and a
-preemption re-prefills locally (the engine as is). Either way every record ends in the role's `_end`.
+Decode without a prefill peer (the colocated worker, `--mode colocated`, and a decode worker the
+router chose to prefill locally, conditional disaggregation): the request is prefilled here with
+chunked prefill, within the step budget the running decodes leave (the scheduler serves decodes
+first); its first token goes out as PrefillDone, the rest as TokenBatch. A preemption re-prefills
+locally on a colocated worker (the engine as is) and goes back to the coordinator on a decode worker.
+Either way every record ends in the role's `_end`.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from engine.sequence import Sequence
 from engine.worker.convert import engine_request_id, sampling_params
 from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
-from engine.worker.stepper import StepReport
+from engine.worker.stepper import StepReport, ema
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError, new_session_secret
 from splitserve import wire
@@ -67,6 +70,7 @@ class DecodeWorker(WorkerRole):
         self.plane: TransferPlane | None = parts.transfer
         self.colocated = self.settings.role == "colocated"
         self.block_size = self.engine.config.block_size
+        self.kv_transfer_ms = 0.0  # moving average of KVDone.kv_transfer_ms, for the router
 
     # --- coordinator messages -----------------------------------------------------------------------
 
@@ -212,6 +216,7 @@ class DecodeWorker(WorkerRole):
             self.metrics.transfer_seconds.labels("recv").observe(time.monotonic() - r.first_chunk_at)
         await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
         r.running, r.first_token_sent, r.kv_transfer_ms = True, True, r.kv_done.kv_transfer_ms
+        self.kv_transfer_ms = ema(self.kv_transfer_ms, r.kv_done.kv_transfer_ms)
         self.engine.join(r.seq, token)
         self.stepper.wake()
 
@@ -266,6 +271,11 @@ class DecodeWorker(WorkerRole):
 
     def peer_needs_abort(self, rec: WorkerRequest) -> bool:
         return isinstance(rec, DecodeRequest) and rec.peer is not None and not rec.running
+
+    def load(self) -> serving_pb2.WorkerLoad:
+        load = super().load()
+        load.kv_transfer_ms = self.kv_transfer_ms
+        return load
 
     def queue_depths(self) -> dict[str, int]:
         waiting_kv = sum(

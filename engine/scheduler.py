@@ -2,8 +2,11 @@
 
 Every running sequence needs `num_tokens - num_computed_tokens` tokens computed before its next
 sample: a prompt (possibly in chunks), a re-prefill after preemption, or the single newest token in
-decode. One step serves running sequences first (oldest first), then admits waiting ones while the
-token budget and the KV pool allow. When the pool is short, the newest running sequence is
+decode. One step serves running sequences first, then admits waiting ones while the token budget and
+the KV pool allow. Running decodes (one token each) take the budget before running prompt chunks
+(each group oldest first), so a long prompt is prefilled in chunks that fit beside the decodes
+(Sarathi-Serve's stall-free batching): a decode never waits for a prompt, and a step computes at most
+the budget. When the pool is short, the newest running sequence not yet scheduled this step is
 preempted: its blocks are freed and it returns to the front of the queue to be re-prefilled.
 
 A sequence whose KV another worker computes takes a third way in: `reserve` (all or nothing) holds
@@ -97,20 +100,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        taken: set[Sequence] = set()
+        # decodes first, then prompt chunks (each oldest first): a prefill only gets the budget the
+        # running decodes leave, so it never delays their next token by more than one step's budget
+        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted below for an earlier sequence's slots
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             while not self.kv.allocate_slots(seq, n):
-                victim = self.running.pop()
+                victim = next(s for s in reversed(self.running) if s not in taken)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is seq:
                     break
             else:
                 scheduled.append(ScheduledSequence(seq, n))
+                taken.add(seq)
                 budget -= n
-                i += 1
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:

@@ -2,15 +2,20 @@
 
 Needs CUDA; without it, says so and exits 0. Prints one row per kernel: the
 milliseconds of each backend, the speed-up, and the largest difference between
-their outputs relative to the reference's largest magnitude.
+their outputs relative to the reference's largest magnitude. Exits 1 when a
+difference exceeds ``TOLERANCE`` for the dtype. ``--json PATH`` also writes the rows.
+``--device cpu --shape tiny`` (with ``TRITON_INTERPRET=1``) runs the same code at toy
+sizes on the CPU, Triton interpreted (what ``make gpu-check``'s dry run does).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -41,6 +46,27 @@ class BenchShape:
     prefill_context: int = 512  # cached prefix before each chunk
     mixed_decodes: int = 30  # decode tokens batched with the prefill chunks
     dtype: torch.dtype = torch.bfloat16
+
+
+# toy sizes: the tests and the CPU dry run of `make gpu-check`
+TINY = BenchShape(
+    num_layers=2,
+    num_q_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    block_size=4,
+    num_blocks=24,
+    moved_blocks=5,
+    decode_seqs=3,
+    max_context=30,
+    prefill_chunks=(9, 4),
+    prefill_context=6,
+    mixed_decodes=2,
+    dtype=torch.float32,
+)
+# largest relative difference from the torch reference accepted per dtype (bf16: ~2 ulp of the largest
+# magnitude, the attention kernels round once more than the reference's float32 softmax)
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}
 
 
 @dataclass(frozen=True)
@@ -154,19 +180,35 @@ def measure(s: BenchShape, device: torch.device) -> list[Row]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda, or cpu (Triton interpreted: TRITON_INTERPRET=1)"
+    )
+    parser.add_argument("--shape", choices=["full", "tiny"], default="full", help="tiny: toy sizes")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here (JSON list)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
         print("kernels.bench: no CUDA device; nothing to time.")
         return 0
-    shape = BenchShape(dtype=getattr(torch, args.dtype))
-    print(f"{torch.cuda.get_device_name()}  {shape}")
+    dtype = getattr(torch, args.dtype)
+    shape = BenchShape(dtype=dtype) if args.shape == "full" else replace(TINY, dtype=dtype)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"{name}  {shape}")
     print(f"{'kernel':<28}{'triton ms':>12}{'torch ms':>12}{'speed-up':>10}{'rel diff':>11}")
-    for row in measure(shape, torch.device("cuda")):
+    rows = measure(shape, device)
+    for row in rows:
         speedup = row.torch_ms / row.triton_ms
         print(
             f"{row.name:<28}{row.triton_ms:>12.3f}{row.torch_ms:>12.3f}{speedup:>9.1f}x{row.rel_diff:>11.1e}"
         )
-    return 0
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) for r in rows]))
+    off = [r.name for r in rows if not r.rel_diff <= TOLERANCE[dtype]]
+    if off:
+        print(
+            f"kernels.bench: {', '.join(off)} differ from the torch reference by more than {TOLERANCE[dtype]}"
+        )
+    return 1 if off else 0
 
 
 if __name__ == "__main__":

@@ -15,11 +15,13 @@ semantics: ``paged_decode_attention`` and ``write_kv_slots``.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import importlib
 import os
 import shutil
 import time
+from pathlib import Path
 from types import ModuleType
 
 import structlog
@@ -82,14 +84,27 @@ def _prebuilt(isa: str) -> ModuleType | None:
 
 
 def _build(isa: str) -> ModuleType:
-    """Compile ``isa``'s library with torch's JIT extension builder (cached by torch)."""
+    """Compile ``isa``'s library with torch's JIT extension builder, in a build directory of its own
+    (one per source digest, under torch's extension root) that only one process builds in at a time.
+
+    torch's builder serializes with a ``lock`` file that a build killed midway leaves behind, after
+    which every later start waits on it forever. So builders here first take an ``flock`` on the
+    directory (released by the kernel when its holder dies) and, holding it, delete any ``lock`` file:
+    no other builder can be running, so the file is stale."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    return cpp_extension.load(
-        name=f"splitserve{cpu_build.module_name(isa)}",
-        sources=[str(cpu_build.CSRC / s) for s in cpu_build.SOURCES],
-        extra_cflags=cpu_build.compile_flags(isa),
-        extra_ldflags=cpu_build.LDFLAGS,
-        verbose=False,
-    )
+    name = f"splitserve{cpu_build.module_name(isa)}"
+    build_dir = Path(cpp_extension.get_default_build_root()) / f"{name}-{cpu_build.source_digest()[:13]}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with (build_dir / ".splitserve-build").open("a") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)  # wait (bounded by another build's length): one builder
+        (build_dir / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(
+            name=name,
+            sources=[str(cpu_build.CSRC / s) for s in cpu_build.SOURCES],
+            extra_cflags=cpu_build.compile_flags(isa),
+            extra_ldflags=cpu_build.LDFLAGS,
+            build_directory=str(build_dir),
+            verbose=False,
+        )

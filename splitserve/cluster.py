@@ -32,12 +32,15 @@ from typing import IO, Any
 import structlog
 
 from splitserve.control_auth import KeySet
+from splitserve.placement import pin_hook, thread_env
 from splitserve.progress import ENV as PROGRESS_ENV
 from splitserve.progress import parse as parse_progress
 
 log = structlog.get_logger(__name__)
 
 READY_PREFIX = "SPLITSERVE_READY "
+# Deployment modes, in one place (`serve --mode`, `bench --modes`): a new mode is one entry here.
+MODES = ("disaggregated", "colocated", "conditional")  # ClusterSpec.mode
 
 
 class ClusterError(RuntimeError):
@@ -88,7 +91,9 @@ class ClusterSpec:
     model: str = "tiny"
     prefill_workers: int = 1
     decode_workers: int = 1
-    mode: str = "disaggregated"  # or "colocated": decode_workers colocated workers, no prefill pool
+    # "colocated": decode_workers colocated workers, no prefill pool; "conditional": the disaggregated
+    # pools with `--disaggregation conditional` on the coordinator (short prompts prefill on D)
+    mode: str = "disaggregated"
     host: str = "127.0.0.1"
     port: int = 0
     http_port: int = 0
@@ -99,6 +104,8 @@ class ClusterSpec:
     env: dict[str, str] = field(default_factory=dict)
     log_dir: Path | None = None
     insecure_control_plane: bool = False  # plaintext control plane (else ephemeral CURVE keys)
+    cpus: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> CPU set (splitserve.placement)
+    threads: dict[str, int] = field(default_factory=dict)  # role -> torch threads (OMP_NUM_THREADS)
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(role, worker id) of every worker, in start order; each id starts with its role."""
@@ -178,6 +185,7 @@ class LocalCluster:
                     *coordinator_security,
                     "--http-port",
                     str(s.http_port),
+                    *(["--disaggregation", "conditional"] if s.mode == "conditional" else []),
                     *s.coordinator_args,
                 ],
             )
@@ -223,7 +231,8 @@ class LocalCluster:
             s.log_dir.mkdir(parents=True, exist_ok=True)
             stderr = open(s.log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed in stop()
             self._logs.append(stderr)
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", PROGRESS_ENV: "1", **s.env}
+        placed = thread_env(s.threads.get(role))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PROGRESS_ENV: "1", **s.env, **placed}
         popen = subprocess.Popen(
             [sys.executable, "-m", "splitserve.cli", *argv],
             stdout=subprocess.PIPE,
@@ -231,6 +240,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             text=True,
             env=env,
+            preexec_fn=pin_hook(s.cpus.get(role)),
         )
         assert popen.stdout is not None
         lines: queue.Queue[str | None] = queue.Queue()

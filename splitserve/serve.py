@@ -5,11 +5,25 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
+from collections.abc import Callable
 
 from engine.model_dir import MODEL_HELP
 from engine.worker.settings import TRANSFER_BACKENDS, field_defaults
-from splitserve.cluster import ClusterSpec
+from splitserve.cluster import MODES, ClusterSpec
 from splitserve.launch import choose_log_dir, say, started
+from splitserve.placement import parse_pins, parse_threads
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse `type` from a parser raising ValueError: its message becomes the usage error."""
+
+    def convert(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return convert
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -18,7 +32,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct", help=MODEL_HELP)
     parser.add_argument("--prefill-workers", type=int, default=spec["prefill_workers"])
     parser.add_argument("--decode-workers", type=int, default=spec["decode_workers"])
-    parser.add_argument("--mode", choices=["disaggregated", "colocated"], default=spec["mode"])
+    parser.add_argument("--mode", choices=MODES, default=spec["mode"])
     parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=spec["transfer_backend"])
     parser.add_argument("--host", default=spec["host"])
     parser.add_argument(
@@ -31,6 +45,18 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--insecure-control-plane",
         action="store_true",
         help="plaintext, unauthenticated control plane (default: ephemeral CurveZMQ keys per process)",
+    )
+    parser.add_argument(
+        "--pin",
+        type=_checked(parse_pins),
+        default={},
+        help="pin each role's processes to CPUs, e.g. prefill=0,decode=1 (sets: 0+2, 0-3)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_checked(parse_threads),
+        default={},
+        help="torch threads per worker: N for every role, or e.g. prefill=1,decode=1",
     )
 
 
@@ -60,6 +86,8 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         transfer_backend=args.transfer_backend,
         log_dir=choose_log_dir(args.log_dir, log_files_by_default),
         insecure_control_plane=bool(args.insecure_control_plane),
+        cpus=dict(args.pin),
+        threads=dict(args.threads),
     )
 
 

@@ -20,13 +20,18 @@ import structlog
 import zmq.asyncio
 
 from splitserve.control import ControlSocket, CurveKeys
-from splitserve.v1 import control_pb2
+from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
 
 
 class PeerLinks:
-    """Owned by the worker's event loop. `dealer()` connects lazily; `update()` applies a Peers list."""
+    """Owned by the worker's event loop. `update()` applies a Peers list and connects at once to every
+    listed peer whose role is in `partners` (P to D, D to P); `dealer()` connects any other on first use.
+
+    Why at once: with CURVE a new connection's handshake needs the ZAP decision of the peer's event
+    loop, which under load waits behind that peer's steps; connected when the peer joins, the
+    handshake is done before the first request needs the link, and no request of a burst waits for it."""
 
     def __init__(
         self,
@@ -34,11 +39,13 @@ class PeerLinks:
         worker_id: str,
         kv_layout_hash: str,
         keys: CurveKeys | None = None,
+        partners: frozenset[serving_pb2.WorkerRole.ValueType] = frozenset(),
     ) -> None:
         self.ctx = ctx
         self.worker_id = worker_id
         self.kv_layout_hash = kv_layout_hash
         self.keys = keys
+        self.partners = partners
         self.peers: dict[str, control_pb2.Peer] = {}
         self._learned: dict[str, str] = {}  # worker id -> key, from endpoints in work messages
         self._dealers: dict[str, tuple[str, str, ControlSocket]] = {}
@@ -114,6 +121,9 @@ class PeerLinks:
                 log.info("peer joined", peer=wid, control=peer.endpoint.control_address)
             self._learned.pop(wid, None)  # the list is the authority from now on
         self.peers = new
+        for peer in new.values():
+            if peer.role in self.partners:
+                self.dealer(peer.endpoint)
         self._notify()
         return lost
 

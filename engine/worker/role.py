@@ -260,11 +260,15 @@ class WorkerRole:
 
     def load(self) -> serving_pb2.WorkerLoad:
         sched = self.engine.scheduler
+        prefilling = (s.num_tokens - s.num_computed_tokens for s in sched.running)
         return serving_pb2.WorkerLoad(
             queued_requests=len(sched.waiting),
-            queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
+            + sum(n for n in prefilling if n > 1),  # a decode's one token is not prefill work
             running_requests=len(sched.running),
-            prefill_us_per_token=self.stepper.prefill_us_per_token,
+            step_token_budget=self.engine.config.max_num_batched_tokens,
+            prefill_us_per_token=self.stepper.cost.us_per_token,
+            step_base_ms=self.stepper.cost.base_ms,
             decode_step_ms=self.stepper.decode_step_ms,
             prefix_cache_query_tokens=self.prefix_query_tokens,
             prefix_cache_hit_tokens=self.prefix_hit_tokens,

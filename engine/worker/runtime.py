@@ -44,6 +44,12 @@ ROLE_PROTO = {
     "decode": serving_pb2.WORKER_ROLE_DECODE,
     "colocated": serving_pb2.WORKER_ROLE_COLOCATED,
 }
+# The roles a worker exchanges P<->D messages with (its links to them connect when they join).
+PARTNERS = {
+    "prefill": frozenset({serving_pb2.WORKER_ROLE_DECODE}),
+    "decode": frozenset({serving_pb2.WORKER_ROLE_PREFILL}),
+    "colocated": frozenset[serving_pb2.WorkerRole.ValueType](),
+}
 
 
 class RegistrationError(RuntimeError):
@@ -106,7 +112,9 @@ class WorkerControl:
         self.incarnation = secrets.randbits(64)
         self.keys, coordinator_key = _control_keys(settings)
         self.ctx = zmq.asyncio.Context()
-        self.links = PeerLinks(self.ctx, settings.worker_id, kv_layout.hash, self.keys)
+        self.links = PeerLinks(
+            self.ctx, settings.worker_id, kv_layout.hash, self.keys, PARTNERS[settings.role]
+        )
         self._auth = (
             ZapHandler(self.ctx, self.links.allows, self.links.wait_allowed).start()
             if self.keys is not None
@@ -136,7 +144,7 @@ class WorkerControl:
         self.stop_requested = asyncio.Event()
         self.stop_drain = True
         self.stop_grace_s = settings.drain_timeout_s
-        self._prefix = PrefixEvents(pool) if settings.role != "decode" else None
+        self._prefix = PrefixEvents(pool)  # a decode worker's too: the router weighs prefilling there
         self._heartbeat_seq = 0
         self._tasks: list[asyncio.Task[None]] = []
         self.failure = ""  # why a supervised task ended; the worker cannot serve once set
@@ -311,8 +319,7 @@ class WorkerControl:
             load=self.role.load(),
             pool=pool_state(self.pool),
         )
-        if self._prefix is not None:
-            hb.prefix_cache.CopyFrom(self._prefix.next())
+        hb.prefix_cache.CopyFrom(self._prefix.next())
         await self.to_coordinator(envelope(heartbeat=hb))
 
     @property

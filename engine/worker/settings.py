@@ -169,6 +169,7 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
     )
     a(
         "--ucx-progress-mode",
+        # kvtransfer.ucx.PROGRESS_MODES (importing it would pull torch in; a test keeps them equal)
         choices=("hybrid", "thread", "thread-polling", "polling", "blocking"),
         default=w["ucx_progress_mode"],
         help="hybrid: poll only while transfers are outstanding; thread: never spin (saves a core, slower)",

@@ -25,6 +25,7 @@ from engine.llm_engine import LLMEngine, StepOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.worker.metrics import WorkerMetrics
+from engine.worker.step_cost import StepCost
 
 log = structlog.get_logger(__name__)
 
@@ -59,7 +60,7 @@ class StepLoop:
         self.engine = engine
         self.metrics = metrics
         self.handler: StepHandler | None = None
-        self.prefill_us_per_token = 0.0
+        self.cost = StepCost(_EMA)  # the router's per-token cost and step base
         self.decode_step_ms = 0.0
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake = asyncio.Event()
@@ -143,11 +144,11 @@ class StepLoop:
     def _account(self, out: SchedulerOutput, seconds: float) -> None:
         decode_only = out.num_tokens == len(out.scheduled)
         self.metrics.step_seconds.labels("decode" if decode_only else "prefill").observe(seconds)
+        self.cost.observe(out.num_tokens, seconds * 1e3)
         if decode_only:
-            self.decode_step_ms = _ema(self.decode_step_ms, seconds * 1e3)
-        else:
-            self.prefill_us_per_token = _ema(self.prefill_us_per_token, seconds * 1e6 / out.num_tokens)
+            self.decode_step_ms = ema(self.decode_step_ms, seconds * 1e3)
 
 
-def _ema(old: float, new: float) -> float:
+def ema(old: float, new: float) -> float:
+    """The moving average the router reads: `new` alone first, then weighted by _EMA."""
     return new if old == 0.0 else (1 - _EMA) * old + _EMA * new

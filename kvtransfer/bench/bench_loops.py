@@ -69,6 +69,8 @@ def new_ring(
         if stream is not None:
             buf.copy_(torch.from_numpy(stream[j : j + size]))
         ring.append(buf)
+    if torch.device(device).type == "cuda":  # UCX's copies run on streams of their own
+        torch.cuda.synchronize(device)
     return ring
 
 
@@ -85,9 +87,11 @@ def percentiles_us(samples: list[float]) -> dict[str, float]:
     return {"p50_us": at(0.5), "p99_us": at(0.99), "p999_us": at(0.999)}
 
 
-def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None) -> float:
+def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None, device: str = "cpu") -> float:
     """Single-thread memcpy bandwidth (10^9 bytes/s) over rings of `size`-byte buffers, allocated
-    as the transfers' rings are."""
+    as the transfers' rings are; on a CUDA `device`, a device-to-device `copy_` between two rings."""
+    if torch.device(device).type == "cuda":
+        return _d2d_gbps(size, duration_s, ring_bytes, device)
     src = [host_memory.zeros((size,), torch.uint8).numpy() for _ in range(ring_count(size, ring_bytes))]
     dst = [host_memory.zeros((size,), torch.uint8).numpy() for _ in src]
     for j, s in enumerate(src):
@@ -98,6 +102,26 @@ def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None) -> 
     while (elapsed := time.perf_counter() - t0) < duration_s or n < len(src):
         np.copyto(dst[n % len(dst)], src[n % len(src)])
         n += 1
+    return n * size / elapsed / 1e9
+
+
+def _d2d_gbps(size: int, duration_s: float, ring_bytes: int | None, device: str) -> float:
+    """`copy_` between two rings on one GPU, in batches of one ring's length, synchronized before
+    the clock is read (the copies are asynchronous)."""
+    src = [
+        torch.full((size,), j % 256, dtype=torch.uint8, device=device)
+        for j in range(ring_count(size, ring_bytes))
+    ]
+    dst = [torch.empty_like(s) for s in src]
+    for s, d in zip(src, dst, strict=True):
+        d.copy_(s)
+    torch.cuda.synchronize(device)
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < duration_s or n < len(src):
+        for s, d in zip(src, dst, strict=True):
+            d.copy_(s)
+        n += len(src)
+        torch.cuda.synchronize(device)
     return n * size / elapsed / 1e9
 
 

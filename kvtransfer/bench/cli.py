@@ -6,8 +6,8 @@
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
     kvbench run --backend ucx,tcp,nixl --busy 2           # beside NIXL, 2 busy loops running
 
-Prints a single-thread memcpy baseline first, then one row per point with its ratio to it.
-Exits 1 when any verification failed.
+Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
+one row per point with its ratio to it. Exits 1 when any verification failed.
 """
 
 from __future__ import annotations
@@ -85,6 +85,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=["read", "write", "read+thread", "write+thread"],
         help="NIXL variants the nixl row takes the best of (+thread: NIXL's progress thread on)",
     )
+    run.add_argument(
+        "--device", default="cpu", help="where both agents' buffers live (cuda: cuda_ipc, d2d baseline)"
+    )
     run.add_argument("--agent-log", type=Path, default=Path(tempfile.gettempdir()) / "kvbench-agents.log")
     serve = sub.add_parser("serve", help="run the receiver agent for a remote `kvbench run --peer`")
     serve.add_argument("--backend", choices=sorted(runner.BACKEND_ARGS), required=True)
@@ -117,6 +120,7 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         ring_bytes=args.ring_bytes,
         busy=args.busy,
         nixl_variants=args.nixl_variants,
+        device=args.device,
     )
     if cfg.busy < 0:
         raise SystemExit(f"--busy takes a count of busy loops >= 0, got {cfg.busy}")
@@ -125,8 +129,10 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(known)}")
     if "nixl" in cfg.backends:
-        why = nixl_sweep.nixl_missing() or (
-            "the nixl row has no --model-shape mode yet" if cfg.model_shape else None
+        why = (
+            nixl_sweep.nixl_missing()
+            or ("the nixl row has no --model-shape mode yet" if cfg.model_shape else None)
+            or ("the nixl row keeps its rings in host memory (no --device)" if cfg.device != "cpu" else None)
         )
         if why:
             print(f"nixl: skipped ({why})", file=sys.stderr)
@@ -142,14 +148,19 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
 
     def memcpy_for(size: int) -> float:
         if size not in memcpy:
-            memcpy[size] = memcpy_gbps(size, args.duration, args.ring_bytes)
+            memcpy[size] = memcpy_gbps(size, args.duration, args.ring_bytes, args.device)
         return memcpy[size]
 
     if cfg.model_shape is None:
         for size in cfg.sizes:
             memcpy_for(size)
         ring = report.format_size(args.ring_bytes or default_ring_bytes())
-        print(f"memcpy baseline (1 thread, buffers rotated through {ring} per size):")
+        kind = (
+            f"device-to-device baseline (copy_ on {args.device}"
+            if args.device != "cpu"
+            else "memcpy baseline (1 thread"
+        )
+        print(f"{kind}, buffers rotated through {ring} per size):")
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
         points = len(cfg.backends) * len(cfg.sizes) * len(cfg.depths)
     else:

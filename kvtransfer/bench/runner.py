@@ -54,6 +54,7 @@ class BenchConfig:
     ring_bytes: int | None = None  # bytes each side rotates through (None: 4x the LLC)
     busy: int = 0  # busy-loop processes running beside the agents (`--busy`)
     nixl_variants: list[str] = field(default_factory=lambda: ["read", "write", "read+thread", "write+thread"])
+    device: str = "cpu"  # where both agents keep their rings and caches (cuda: cuda_ipc on one host)
 
     def agent_args(self, backend: str) -> list[str]:
         args = list(BACKEND_ARGS.get(backend, []))
@@ -92,6 +93,8 @@ async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blo
         json.dumps(layout.to_dict()),
         "--num-blocks",
         str(num_blocks),
+        "--device",
+        cfg.device,
     ]
     spawned = []
     cpus = agent_cpus() if cfg.pin_agents else [None, None]
@@ -157,8 +160,12 @@ async def raw_sweep(
     rows = []
     try:
         for size in cfg.sizes:
-            ring = (await agents.send.call("ring", size=size, seed=size, ring_bytes=cfg.ring_bytes))["ring"]
-            await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes)
+            ring = (
+                await agents.send.call(
+                    "ring", size=size, seed=size, ring_bytes=cfg.ring_bytes, device=cfg.device
+                )
+            )["ring"]
+            await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes, device=cfg.device)
             for depth in cfg.depths:
                 warm_iters = max(2 * depth, ring)  # touches (and registers) every ring buffer once
                 t0 = time.perf_counter()
@@ -224,6 +231,7 @@ def _inputs(cfg: BenchConfig, backend: str) -> Row:
             "env_ucx": {k: v for k, v in os.environ.items() if k.startswith("UCX")},
             "pin_agents": cfg.pin_agents,
             "ring_bytes": cfg.ring_bytes or default_ring_bytes(),
+            "device": cfg.device,
         },
         "command": cfg.command,
         "host": os.uname().nodename,

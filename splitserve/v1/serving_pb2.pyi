@@ -63,6 +63,38 @@ FINISH_REASON_ABORTED: FinishReason.ValueType  # 5
 """Stopped by the Abort RPC; the output so far is valid and billed."""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _PrefillPath:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PrefillPathEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_PrefillPath.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PREFILL_PATH_UNSPECIFIED: _PrefillPath.ValueType  # 0
+    """Not placed (the request ended in the queue)."""
+    PREFILL_PATH_REMOTE: _PrefillPath.ValueType  # 1
+    """On a prefill worker; the KV was shipped to the decode worker."""
+    PREFILL_PATH_LOCAL: _PrefillPath.ValueType  # 2
+    """On the decode worker itself, in chunks within its per-step token budget (conditional
+    disaggregation: no KV transfer).
+    """
+    PREFILL_PATH_COLOCATED: _PrefillPath.ValueType  # 3
+    """On a colocated worker, which also decodes."""
+
+class PrefillPath(_PrefillPath, metaclass=_PrefillPathEnumTypeWrapper):
+    """Where a request's prompt was prefilled."""
+
+PREFILL_PATH_UNSPECIFIED: PrefillPath.ValueType  # 0
+"""Not placed (the request ended in the queue)."""
+PREFILL_PATH_REMOTE: PrefillPath.ValueType  # 1
+"""On a prefill worker; the KV was shipped to the decode worker."""
+PREFILL_PATH_LOCAL: PrefillPath.ValueType  # 2
+"""On the decode worker itself, in chunks within its per-step token budget (conditional
+disaggregation: no KV transfer).
+"""
+PREFILL_PATH_COLOCATED: PrefillPath.ValueType  # 3
+"""On a colocated worker, which also decodes."""
+Global___PrefillPath: _TypeAlias = PrefillPath  # noqa: Y015
+
 class _WorkerRole:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -1039,6 +1071,7 @@ class Timings(_message.Message):
     FIRST_TOKEN_MS_FIELD_NUMBER: _builtins.int
     DECODE_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
+    ROUTING_FIELD_NUMBER: _builtins.int
     queue_ms: _builtins.float
     """Waiting before prefill compute started: the coordinator's admission queue plus the prefill
     worker's queue.
@@ -1055,6 +1088,10 @@ class Timings(_message.Message):
     """First token sent to last token sent."""
     total_ms: _builtins.float
     """Request arrival to the Finished event."""
+    @_builtins.property
+    def routing(self) -> Global___RoutingDecision:
+        """How the router placed the request (its last placement, when it was resumed) and why."""
+
     def __init__(
         self,
         *,
@@ -1064,14 +1101,74 @@ class Timings(_message.Message):
         first_token_ms: _builtins.float = ...,
         decode_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
+        routing: Global___RoutingDecision | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "first_token_ms", b"first_token_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms", "total_ms", b"total_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "first_token_ms", b"first_token_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms", "routing", b"routing", "total_ms", b"total_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Timings: _TypeAlias = Timings  # noqa: Y015
+
+@_typing.final
+class RoutingDecision(_message.Message):
+    """The router's choice for one placement and the estimates behind it (all from worker reports)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    ESTIMATED_TTFT_MS_FIELD_NUMBER: _builtins.int
+    REMOTE_TTFT_MS_FIELD_NUMBER: _builtins.int
+    LOCAL_TTFT_MS_FIELD_NUMBER: _builtins.int
+    TRANSFER_MS_FIELD_NUMBER: _builtins.int
+    CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    UNCACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _builtins.int
+    DECODE_SPARE_TOKENS_FIELD_NUMBER: _builtins.int
+    path: Global___PrefillPath.ValueType
+    """The path taken."""
+    estimated_ttft_ms: _builtins.float
+    """Estimated time to the first token on the chosen path, milliseconds."""
+    remote_ttft_ms: _builtins.float
+    """Best prefill worker's estimate: its queue + uncached tokens x its per-token cost + the transfer
+    estimate, milliseconds; 0 when no prefill worker was considered.
+    """
+    local_ttft_ms: _builtins.float
+    """The decode worker's estimate for prefilling itself: (its queued prefill + the uncached tokens) x
+    its per-token cost + one decode step per chunk of its spare step budget, milliseconds; 0 when not
+    considered (disaggregation always, or no spare budget).
+    """
+    transfer_ms: _builtins.float
+    """The KV transfer estimate included in remote_ttft_ms (the decode worker's measured average)."""
+    cached_tokens: _builtins.int
+    """Prompt tokens the chosen worker holds in its prefix cache (from its prefix events)."""
+    uncached_tokens: _builtins.int
+    """Prompt tokens the chosen worker computes."""
+    prefill_queue_ms: _builtins.float
+    """Queue part of remote_ttft_ms, milliseconds."""
+    decode_spare_tokens: _builtins.int
+    """The decode worker's step budget left by its running decodes (tokens per step); 0 when unknown."""
+    def __init__(
+        self,
+        *,
+        path: Global___PrefillPath.ValueType = ...,
+        estimated_ttft_ms: _builtins.float = ...,
+        remote_ttft_ms: _builtins.float = ...,
+        local_ttft_ms: _builtins.float = ...,
+        transfer_ms: _builtins.float = ...,
+        cached_tokens: _builtins.int = ...,
+        uncached_tokens: _builtins.int = ...,
+        prefill_queue_ms: _builtins.float = ...,
+        decode_spare_tokens: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_ms", b"remote_ttft_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoutingDecision: _TypeAlias = RoutingDecision  # noqa: Y015
 
 @_typing.final
 class Finished(_message.Message):
@@ -1367,20 +1464,37 @@ class WorkerLoad(_message.Message):
     DECODE_STEP_MS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_QUERY_TOKENS_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _builtins.int
+    STEP_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_MS_FIELD_NUMBER: _builtins.int
+    STEP_BASE_MS_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
-    """Prompt tokens (not found in the prefix cache) waiting in the queue; 0 on decode workers."""
+    """Prompt tokens still to prefill: those of queued requests plus the uncomputed rest of prompts
+    being prefilled in chunks (a decode worker prefilling locally reports its own).
+    """
     running_requests: _builtins.int
     """Requests being computed (prefill chunks in progress, or sequences in the decode batch)."""
     prefill_us_per_token: _builtins.float
-    """Measured prefill cost per uncached prompt token, microseconds (moving average); 0 until measured."""
+    """Measured cost of one more token in an engine step, microseconds: the slope of a least-squares
+    fit of step time against step tokens over recent steps (the average per token until steps of
+    different sizes were seen); 0 until measured. A step of n tokens takes about
+    step_base_ms + n x prefill_us_per_token / 1000.
+    """
     decode_step_ms: _builtins.float
     """Measured duration of one decode step, milliseconds (moving average); 0 until measured."""
     prefix_cache_query_tokens: _builtins.int
     """Prompt tokens looked up in the prefix cache (cumulative)."""
     prefix_cache_hit_tokens: _builtins.int
     """Prompt tokens found in the prefix cache (cumulative); hit rate = hit / query."""
+    step_token_budget: _builtins.int
+    """Tokens one engine step may compute (--max-num-batched-tokens): decodes plus prefill chunks."""
+    kv_transfer_ms: _builtins.float
+    """Measured KV transfer time not hidden behind prefill compute, per received request,
+    milliseconds (moving average; decode workers); 0 until measured.
+    """
+    step_base_ms: _builtins.float
+    """The fixed part of one engine step from the same fit, milliseconds; 0 until known."""
     def __init__(
         self,
         *,
@@ -1391,10 +1505,13 @@ class WorkerLoad(_message.Message):
         decode_step_ms: _builtins.float = ...,
         prefix_cache_query_tokens: _builtins.int = ...,
         prefix_cache_hit_tokens: _builtins.int = ...,
+        step_token_budget: _builtins.int = ...,
+        kv_transfer_ms: _builtins.float = ...,
+        step_base_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -14,6 +14,7 @@ import zmq.asyncio
 from coordinator.admission import AdmittedRequest
 from coordinator.app import Coordinator, CoordinatorConfig
 from coordinator.router import Router
+from coordinator.routing_policy import RoutingPolicy
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.workers import WorkerInfo, WorkerRegistry
 from engine.sampling_params import SamplingParams
@@ -31,10 +32,10 @@ def served_model(tiny_model_dir: Callable[[str], Path]) -> ServedModel:
 class Pool:
     """A registry of workers built from real Register/Heartbeat messages."""
 
-    def __init__(self, model: ServedModel) -> None:
+    def __init__(self, model: ServedModel, policy: RoutingPolicy | None = None) -> None:
         self.model = model
         self.registry = WorkerRegistry(model, heartbeat_timeout_s=3.0)
-        self.router = Router(self.registry)
+        self.router = Router(self.registry, policy)
 
     def add(
         self, worker_id: str, role: str, num_blocks: int = 64, layout: str = "a", block_size: int = 16
@@ -70,7 +71,9 @@ class Pool:
         stored: list[int] | None = None,
         seq: int | None = None,
         now: float = 0.0,
+        **load: Any,
     ) -> None:
+        """A heartbeat; `load` sets more WorkerLoad fields (step_token_budget, decode_step_ms, ...)."""
         info = self.registry.get(worker_id)
         assert info is not None
         n = info.register.num_blocks
@@ -78,7 +81,9 @@ class Pool:
             worker_id=worker_id,
             incarnation=1,
             seq=info.heartbeat_seq + 1 if seq is None else seq,
-            load=serving_pb2.WorkerLoad(queued_tokens=queued_tokens, prefill_us_per_token=us_per_token),
+            load=serving_pb2.WorkerLoad(
+                queued_tokens=queued_tokens, prefill_us_per_token=us_per_token, **load
+            ),
             pool=serving_pb2.KvPoolState(total_blocks=n, free_blocks=n if free is None else free),
             prefix_cache=control_pb2.PrefixCacheEvents(stored=pack_hashes(stored or [])),
         )

@@ -5,24 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.bench import BenchShape, main, measure
+from kernels.bench import TINY, main, measure
 from tests.kernels.conftest import DEVICE
-
-TINY = BenchShape(
-    num_layers=2,
-    num_q_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    block_size=4,
-    num_blocks=24,
-    moved_blocks=5,
-    decode_seqs=3,
-    max_context=30,
-    prefill_chunks=(9, 4),
-    prefill_context=6,
-    mixed_decodes=2,
-    dtype=torch.float32,
-)
 
 
 def test_measure_reports_every_kernel_with_matching_outputs() -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import fcntl
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -25,3 +28,33 @@ def test_a_library_built_from_other_sources_is_refused(monkeypatch: pytest.Monke
     assert cpu_ext._prebuilt(isa) is not None
     monkeypatch.setattr(cpu_build, "source_digest", lambda: "d" + "0" * 64)
     assert cpu_ext._prebuilt(isa) is None
+
+
+def test_a_build_killed_midway_does_not_hang_the_next_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """torch's builder waits forever on a `lock` file a killed build left; ours removes it, holding an
+    flock that only a live builder can hold (torch's loader is replaced: this checks our guard only)."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    isa = cpu_build.isa_of(torch.backends.cpu.get_cpu_capability())
+    seen: dict[str, object] = {}
+
+    def load(**kwargs: object) -> object:
+        build_dir = Path(str(kwargs["build_directory"]))
+        seen["stale_lock_left"] = (build_dir / "lock").exists()
+        with (build_dir / ".splitserve-build").open("a") as other:  # a second builder must wait
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen["guarded"] = False
+            except BlockingIOError:
+                seen["guarded"] = True
+        return "module"
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    build_dir = tmp_path / f"splitserve{cpu_build.module_name(isa)}-{cpu_build.source_digest()[:13]}"
+    build_dir.mkdir()
+    (build_dir / "lock").touch()  # what a build killed midway leaves
+    assert cpu_ext._build(isa) == "module"
+    assert seen == {"stale_lock_left": False, "guarded": True}

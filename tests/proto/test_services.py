@@ -66,7 +66,17 @@ def test_generate_request_shape() -> None:
     assert finished["usage"].message_type is serving_pb2.Usage.DESCRIPTOR
     assert finished["timings"].message_type is serving_pb2.Timings.DESCRIPTOR
     timings = {f.name for f in serving_pb2.Timings.DESCRIPTOR.fields}
-    assert timings == {"queue_ms", "prefill_ms", "kv_transfer_ms", "first_token_ms", "decode_ms", "total_ms"}
+    assert timings == {
+        "queue_ms",
+        "prefill_ms",
+        "kv_transfer_ms",
+        "first_token_ms",
+        "decode_ms",
+        "total_ms",
+        "routing",
+    }
+    routing = serving_pb2.Timings.DESCRIPTOR.fields_by_name["routing"]
+    assert routing.message_type is serving_pb2.RoutingDecision.DESCRIPTOR
     reasons = set(serving_pb2.FinishReason.keys())
     assert {"FINISH_REASON_EOS_TOKEN", "FINISH_REASON_LENGTH", "FINISH_REASON_ABORTED"} <= reasons
 

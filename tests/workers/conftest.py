@@ -18,7 +18,9 @@ import zmq.asyncio
 
 from decode.worker import DecodeWorker
 from engine.config import EngineConfig
+from engine.llm import LLM
 from engine.loader import LoadedModel, load_model
+from engine.sampling_params import SamplingParams
 from engine.worker.process import Worker
 from engine.worker.settings import WorkerSettings
 from prefill.worker import PrefillWorker
@@ -38,6 +40,19 @@ def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
 @pytest.fixture(scope="session")
 def loaded(model_dir: Path) -> LoadedModel:
     return load_model(model_dir)
+
+
+@pytest.fixture(scope="session")
+def greedy(model_dir: Path) -> Callable[[list[int], int], list[int]]:
+    """The offline engine's greedy continuation (itself checked against transformers elsewhere)."""
+    llm = LLM(model_dir, block_size=4, num_blocks=256)
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[
+            0
+        ].token_ids
+
+    return run
 
 
 class ScriptedCoordinator:

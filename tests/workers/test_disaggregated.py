@@ -8,29 +8,12 @@ import random
 import time
 from collections.abc import Callable
 
-import pytest
-
-from engine.llm import LLM
-from engine.sampling_params import SamplingParams
 from engine.worker.process import Worker
 from splitserve import wire
 from splitserve.v1 import control_pb2, serving_pb2
 from tests.workers.conftest import WAIT_S, Cluster, ScriptedCoordinator, endpoint, execution_request
 
 LENGTH = serving_pb2.FINISH_REASON_LENGTH
-
-
-@pytest.fixture(scope="module")
-def greedy(model_dir: object) -> Callable[[list[int], int], list[int]]:
-    """The offline engine's greedy continuation (itself checked against transformers elsewhere)."""
-    llm = LLM(model_dir, block_size=4, num_blocks=256)  # type: ignore[arg-type]
-
-    def run(prompt: list[int], n: int) -> list[int]:
-        return llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))[
-            0
-        ].token_ids
-
-    return run
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:

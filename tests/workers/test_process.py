@@ -1,10 +1,12 @@
 """A worker as a real process (`splitserve decode --mode colocated`): readiness line, health and metrics
-endpoints, heartbeats, one request, and SIGTERM -> drain -> Deregister -> exit 0."""
+endpoints, heartbeats, one request, and SIGTERM -> drain -> Deregister -> exit 0; a dying control
+loop -> Deregister -> exit 1."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import sys
 import urllib.request
@@ -69,6 +71,69 @@ async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_
         _, env = await coord.expect("deregister")
         assert env.deregister.worker_id == "colo-p"
         assert await asyncio.wait_for(proc.wait(), WAIT_S) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+        await coord.close()
+
+
+# Loaded by the worker process below through PYTHONPATH (sitecustomize runs at interpreter start): the
+# heartbeat loop's pool gauge raises on its third tick, as a bug in a supervised loop would.
+FAULT = """
+import engine.worker.metrics as metrics
+
+ticks = 0
+original = metrics.WorkerMetrics.observe_pool
+
+
+def observe_pool(self, pool):
+    global ticks
+    ticks += 1
+    if ticks >= 3:
+        raise RuntimeError("injected fault in the heartbeat loop")
+    return original(self, pool)
+
+
+metrics.WorkerMetrics.observe_pool = observe_pool
+"""
+
+
+async def test_a_worker_process_whose_loop_dies_deregisters_and_exits_1(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Supervision in a real process: a control loop that dies takes /readyz down, deregisters with the
+    reason, and the process exits 1 (a pod restart), never heartbeating READY while it cannot serve."""
+    coord = ScriptedCoordinator(KeySet.create(tmp_path / "keys"))
+    coord.keys.add_worker("colo-f", "colocated")
+    (tmp_path / "fault").mkdir()
+    (tmp_path / "fault" / "sitecustomize.py").write_text(FAULT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "fault"), *sys.path])}
+    argv = [
+        *("decode", "--mode", "colocated", "--model", str(model_dir), "--coordinator", coord.address),
+        *coord.keys.worker_args("colo-f"),
+        *("--worker-id", "colo-f", "--advertise-host", "127.0.0.1", "--metrics-port", "0"),
+        *("--block-size", "4", "--num-gpu-blocks", "32", "--transfer-backend", "tcp"),
+    ]
+    with open(tmp_path / "worker.log", "w") as logs:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            *argv,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=logs,
+            env=env,
+        )
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 120)).decode()
+        assert line.startswith(READY), line
+        _, env_msg = await coord.expect("deregister")
+        assert "heartbeat ended" in env_msg.deregister.reason and "injected" in env_msg.deregister.reason
+        assert await asyncio.wait_for(proc.wait(), WAIT_S) == 1
+        log_text = (tmp_path / "worker.log").read_text()
+        assert "control task died" in log_text and "worker failed; exiting" in log_text
     finally:
         if proc.returncode is None:
             proc.kill()

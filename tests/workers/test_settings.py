@@ -25,3 +25,13 @@ def test_worker_flags_import_without_torch() -> None:
     code = "import sys, engine.worker.settings; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.strip() == "False"
+
+
+def test_ucx_progress_mode_choices_are_the_transports() -> None:
+    """The flag lists the modes itself (importing kvtransfer would pull torch into `--help`)."""
+    from kvtransfer.ucx import PROGRESS_MODES
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, with_mode=True)
+    (action,) = [a for a in parser._actions if a.dest == "ucx_progress_mode"]
+    assert tuple(action.choices or ()) == PROGRESS_MODES

@@ -1,0 +1,29 @@
+"""The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`); import-light, because
+`splitserve --help` builds the coordinator's flags from these defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DISAGGREGATION = ("always", "never", "conditional")  # the first is the default
+
+
+@dataclass(frozen=True, slots=True)
+class RoutingPolicy:
+    """When a decode worker prefills a prompt itself (coordinator/router.py says how it is decided).
+
+    `always`: every prompt is prefilled on a prefill worker and its KV shipped; `never`: every prompt
+    is prefilled on its decode worker; `conditional`: per request, whichever path has the lower
+    estimated TTFT, but on the decode worker only when at most `local_prefill_max_tokens` of the
+    prompt are uncached there. Created once from the flags, never changed."""
+
+    disaggregation: str = DISAGGREGATION[0]
+    local_prefill_max_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        if self.disaggregation not in DISAGGREGATION:
+            raise ValueError(
+                f"--disaggregation must be one of {', '.join(DISAGGREGATION)}, got {self.disaggregation!r}"
+            )
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")

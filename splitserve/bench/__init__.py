@@ -1,0 +1,211 @@
+"""`splitserve bench`: the serving study, against a running server or local clusters it launches.
+
+Each deployment variant (`--modes`, colocated once per `--prefill-chunk-budgets` entry) gets a fresh
+local cluster and the same seeded workload (`--mix`, `--dataset`, or one jittered shape) with the same
+Poisson arrivals at each `--rates` entry. Before its sweep every variant is probed unloaded (a few
+requests of each kind, one at a time). Per request we record each token's arrival and the server's
+Timings; per (variant, rate) row:
+
+- TTFT (first token - send), TPOT ((last - first) / (tokens - 1)), ITL (every gap, pooled);
+- the mean latency breakdown: queue, prefill, KV transfer, other, first token, decode;
+- SLO attainment: the share of requests that finished within the TTFT and TPOT SLO of their kind
+  (`--slo-ttft-ms/--slo-tpot-ms`, or `--slo-scale` x the first variant's unloaded latencies), and the
+  same at every `--slo-scales` entry;
+- per variant, goodput: the highest swept rate with >= 90% attainment (all lower rates too).
+
+`--json` writes the whole study, `--plots DIR` attainment vs rate and vs SLO scale (PNG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from splitserve.bench.metrics import GOODPUT_TARGET, Latency
+from splitserve.bench.study import StudyPlan, run_study, variants
+from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
+from splitserve.cluster import MODES
+from splitserve.serve import add_cluster_arguments, cluster_spec
+
+T = TypeVar("T")
+
+
+def _csv(
+    convert: Callable[[str], T], what: str, check: Callable[[T], bool] = lambda _: True
+) -> Callable[[str], list[T]]:
+    """An argparse `type` for a comma-separated list; a bad entry is a usage error naming it."""
+
+    def parse(text: str) -> list[T]:
+        out = []
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            try:
+                value = convert(part)
+            except ValueError:
+                value = None
+            if value is None or not check(value):
+                raise argparse.ArgumentTypeError(f"{part!r} is not {what}")
+            out.append(value)
+        if not out:
+            raise argparse.ArgumentTypeError(f"want at least one {what}")
+        return out
+
+    return parse
+
+
+def _mode(text: str) -> str:
+    if text not in MODES:
+        raise ValueError(text)
+    return text
+
+
+def _mix(text: str) -> object:
+    try:
+        return parse_mix(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    a = parser.add_argument
+    a("--target", default=None, help="a running coordinator; default: launch a local cluster per variant")
+    add_cluster_arguments(parser)
+    a(
+        "--modes",
+        type=_csv(_mode, f"a mode ({', '.join(MODES)})"),
+        default=None,
+        help=f"comma-separated modes, each on its own fresh cluster (default: --mode); of {', '.join(MODES)}",
+    )
+    a(
+        "--prefill-chunk-budgets",
+        type=_csv(int, "a positive token count", lambda n: n > 0),
+        default=[],
+        help="colocated only: one variant per per-step token budget (e.g. 128,256,512); the best is marked",
+    )
+    a(
+        "--rates",
+        type=_csv(float, "a rate (req/s, >= 0)", lambda r: r >= 0),
+        default=[1.0, 2.0, 4.0],
+        help="comma-separated Poisson request rates (req/s); 0 = all at once",
+    )
+    a("--num-requests", type=int, default=32)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument(
+        "--mix",
+        type=_mix,
+        default=None,
+        help=f"a named mix ({', '.join(MIXES)}) or SHARE:INxOUT,... (0.25:1024x16,0.75:64x64)",
+    )
+    source.add_argument(
+        "--dataset", type=Path, default=None, help="JSONL with prompt|token_ids [, max_tokens, kind]"
+    )
+    a("--input-len", type=int, default=128, help="without --mix/--dataset: prompt tokens")
+    a("--output-len", type=int, default=32, help="without --mix/--dataset: output tokens")
+    a(
+        "--len-jitter",
+        type=float,
+        default=0.5,
+        help="without --mix/--dataset: lengths uniform in len*(1±jitter)",
+    )
+    a("--seed", type=int, default=0)
+    a("--slo-ttft-ms", type=float, default=2000.0, help="absolute TTFT SLO (without --slo-scale)")
+    a("--slo-tpot-ms", type=float, default=200.0, help="absolute TPOT SLO (without --slo-scale)")
+    a(
+        "--slo-scale",
+        type=float,
+        default=None,
+        help="SLO = this x the unloaded TTFT/TPOT of each request kind (measured on the first variant)",
+    )
+    a(
+        "--slo-scales",
+        type=_csv(float, "a positive scale", lambda s: s > 0),
+        default=[0.5, 1.0, 2.0, 4.0, 8.0],
+        help="scales of the attainment-vs-SLO-scale curve",
+    )
+    a(
+        "--scale-rate",
+        type=float,
+        default=None,
+        help="rate of the attainment-vs-scale plot (default: the highest)",
+    )
+    a("--unloaded-probes", type=int, default=2, help="unloaded requests per kind before each sweep")
+    a("--request-timeout", type=float, default=300.0)
+    a("--json", type=Path, default=None, help="write the whole study (JSON) here")
+    a(
+        "--plots",
+        type=Path,
+        default=None,
+        help="write attainment-vs-rate.png and attainment-vs-slo-scale.png here",
+    )
+
+
+def _workload(args: argparse.Namespace) -> list[Item]:
+    if args.dataset:
+        return from_jsonl(args.dataset, args.num_requests, args.output_len)
+    from engine.loader import load_tokenizer
+    from engine.model_dir import resolve_model_dir
+
+    vocab = len(load_tokenizer(resolve_model_dir(args.model)))
+    if args.mix:
+        return mixed(args.mix, args.num_requests, vocab, args.seed)
+    return jittered(args.num_requests, args.input_len, args.output_len, args.len_jitter, vocab, args.seed)
+
+
+def _usage_error(args: argparse.Namespace) -> str:
+    """A cross-flag mistake argparse cannot see, or ''."""
+    modes = args.modes or [args.mode]
+    if args.prefill_chunk_budgets and "colocated" not in modes:
+        return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
+    if args.num_requests < 1 or args.unloaded_probes < 1:
+        return "--num-requests and --unloaded-probes must be >= 1"
+    if args.scale_rate is not None and args.scale_rate not in args.rates:
+        return f"--scale-rate {args.scale_rate:g} is not one of --rates"
+    if args.target and args.modes and len(args.modes) > 1:
+        return "--target is one running server: several --modes need local clusters (drop --target)"
+    return ""
+
+
+def run(args: argparse.Namespace) -> int:
+    error = _usage_error(args)
+    if error:
+        print(f"splitserve bench: error: {error}", file=sys.stderr)
+        return 2
+    from splitserve.bench.plots import plot_study
+    from splitserve.bench.report import render
+    from splitserve.launch import say
+
+    plan = StudyPlan(
+        items=_workload(args),
+        rates=args.rates,
+        seed=args.seed,
+        slo=Latency(args.slo_ttft_ms, args.slo_tpot_ms),
+        slo_scale=args.slo_scale,
+        slo_scales=args.slo_scales,
+        unloaded_probes=args.unloaded_probes,
+        request_timeout=args.request_timeout,
+        scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),
+    )
+    vs = variants(["remote"] if args.target else (args.modes or [args.mode]), args.prefill_chunk_budgets)
+    study = run_study(plan, vs, None if args.target else cluster_spec(args), args.target, say=say)
+    study["workload"] = {
+        "num_requests": len(plan.items),
+        "kinds": {
+            k: sum(1 for it in plan.items if it.kind == k)
+            for k in dict.fromkeys(it.kind for it in plan.items)
+        },
+        "seed": args.seed,
+        "rates": args.rates,
+        "pin": {k: list(v) for k, v in args.pin.items()},
+        "threads": args.threads,
+    }
+    print(render(study))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(study, indent=1) + "\n")
+    if args.plots:
+        for path in plot_study(study, args.plots, GOODPUT_TARGET):
+            say(f"plot: {path}")
+    return 0

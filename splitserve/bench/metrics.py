@@ -1,0 +1,114 @@
+"""From request traces to numbers: latency distributions, the latency breakdown, SLOs (absolute, or a
+scale of the unloaded latencies per request kind, as DistServe's SLO scale), attainment and goodput.
+
+A request meets its SLO when it finished, its TTFT <= the TTFT SLO and its TPOT <= the TPOT SLO of its
+kind. Goodput is the highest swept rate at which attainment >= `target` and at every lower swept rate
+too (so one lucky rate past a collapse does not count).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.bench.load import TIMING_FIELDS, RequestTrace
+
+GOODPUT_TARGET = 0.9
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+def dist(values: list[float]) -> dict[str, float]:
+    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
+
+
+@dataclass(frozen=True, slots=True)
+class Latency:
+    """TTFT and TPOT in milliseconds: an unloaded baseline, or an SLO."""
+
+    ttft_ms: float
+    tpot_ms: float
+
+
+def unloaded(traces: list[RequestTrace]) -> dict[str, Latency]:
+    """Per request kind, the median TTFT and TPOT of requests sent alone. ValueError when a probe
+    failed: an SLO scale needs every kind's baseline."""
+    failed = [t.error or "no tokens" for t in traces if not t.ok]
+    if failed:
+        raise ValueError(f"unloaded probe failed: {failed[0]}")
+    out = {}
+    for kind in dict.fromkeys(t.kind for t in traces):
+        mine = [t for t in traces if t.kind == kind]
+        tpots = [t.tpot_ms for t in mine if t.tpot_ms is not None]
+        out[kind] = Latency(statistics.median(t.ttft_ms for t in mine), statistics.median(tpots or [0.0]))
+    return out
+
+
+def scaled(base: dict[str, Latency], scale: float) -> dict[str, Latency]:
+    """DistServe's SLO scale: each kind's SLO is `scale` x its unloaded latency."""
+    return {k: Latency(v.ttft_ms * scale, v.tpot_ms * scale) for k, v in base.items()}
+
+
+def met(trace: RequestTrace, slo: Latency) -> bool:
+    tpot = trace.tpot_ms
+    return trace.ok and trace.ttft_ms <= slo.ttft_ms and (tpot is None or tpot <= slo.tpot_ms)
+
+
+def attainment(traces: list[RequestTrace], slos: dict[str, Latency]) -> float:
+    """The share of `traces` meeting the SLO of their kind (a kind without an SLO is a miss)."""
+    if not traces:
+        return float("nan")
+    return sum(1 for t in traces if t.kind in slos and met(t, slos[t.kind])) / len(traces)
+
+
+def breakdown(trace: RequestTrace) -> dict[str, float]:
+    """The server's timings of one finished request plus `other_ms`: first token time not spent
+    queued or prefilling (routing, delivery). TTFT = queue + prefill + other; the KV transfer starts
+    once the first token is sampled, so it lies in decode (it delays the second token), not in TTFT.
+    Empty for a request that never finished."""
+    if not trace.timings:
+        return {}
+    t = trace.timings
+    parts = {name: t[name] for name in TIMING_FIELDS}
+    parts["other_ms"] = t["first_token_ms"] - t["queue_ms"] - t["prefill_ms"]
+    return parts
+
+
+def summarize(traces: list[RequestTrace], duration: float, slos: dict[str, Latency]) -> dict[str, Any]:
+    """One rate's row: counts, throughput, TTFT/TPOT/ITL distributions, mean breakdown, attainment."""
+    ok = [t for t in traces if t.ok]
+    parts = [b for b in (breakdown(t) for t in ok) if b]
+    mean_breakdown = {k: statistics.fmean(b[k] for b in parts) for k in parts[0]} if parts else {}
+    return {
+        "num_requests": len(traces),
+        "completed": len(ok),
+        "duration_s": duration,
+        "output_tok_s": sum(len(t.token_times) for t in ok) / duration if duration > 0 else 0.0,
+        "ttft_ms": dist([t.ttft_ms for t in ok]),
+        "tpot_ms": dist([x for t in ok if (x := t.tpot_ms) is not None]),
+        "itl_ms": dist([x for t in ok for x in t.itls_ms]),
+        "breakdown_ms": mean_breakdown,
+        "attainment": attainment(traces, slos),
+        "paths": dict(Counter(t.path for t in ok if t.path)),  # the router's prefill decisions
+        "errors": dict(Counter(t.error for t in traces if t.error)),
+    }
+
+
+def goodput(points: list[tuple[float, float]], target: float = GOODPUT_TARGET) -> float:
+    """The highest rate of (rate, attainment) points that meets `target` with every lower rate
+    meeting it too; 0.0 when the lowest rate already misses. Rates <= 0 (bursts) are ignored."""
+    best = 0.0
+    for rate, share in sorted(p for p in points if p[0] > 0):
+        if not share >= target:
+            break
+        best = rate
+    return best

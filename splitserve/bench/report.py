@@ -1,0 +1,46 @@
+"""The study for people: a table per rate row, the latency breakdown, goodput and the best budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# TTFT = queue + prefill + other; the KV transfer overlaps decode (it delays the second token)
+BREAKDOWN = ("queue_ms", "prefill_ms", "other_ms", "first_token_ms", "kv_transfer_ms", "decode_ms")
+
+
+def render(study: dict[str, Any]) -> str:
+    """The study as plain text (milliseconds)."""
+    width = max([len(r["variant"]) for r in study["rows"]] + [8]) + 2
+    lines = [
+        f"{'variant':<{width}}{'rate':>6}{'done':>7}{'tok/s':>8}{'ttft p50':>10}{'p99':>8}"
+        f"{'tpot p50':>10}{'p99':>8}{'itl p99':>9}{'slo':>6}"
+    ]
+    for r in study["rows"]:
+        lines.append(
+            f"{r['variant']:<{width}}{r['rate']:>6g}{r['completed']:>4}/{r['num_requests']:<2}"
+            f"{r['output_tok_s']:>8.1f}{r['ttft_ms']['p50']:>10.0f}{r['ttft_ms']['p99']:>8.0f}"
+            f"{r['tpot_ms']['p50']:>10.1f}{r['tpot_ms']['p99']:>8.1f}{r['itl_ms']['p99']:>9.1f}"
+            f"{r['attainment']:>6.0%}"
+        )
+    lines.append("")
+    lines.append(
+        f"{'breakdown (mean)':<{width + 6}}" + "".join(f"{k.removesuffix('_ms'):>12}" for k in BREAKDOWN)
+    )
+    for r in study["rows"]:
+        b = r["breakdown_ms"]
+        cells = "".join(f"{b[k]:>12.1f}" if k in b else f"{'-':>12}" for k in BREAKDOWN)
+        lines.append(f"{r['variant']:<{width}}{r['rate']:>6g}{cells}")
+    lines.append("")
+    slo = study["slo"]
+    how = f"{slo['scale']:g} x unloaded of {slo['reference']}" if slo["scale"] else "absolute"
+    kinds = ", ".join(
+        f"{k} TTFT {v['ttft_ms']:.0f} / TPOT {v['tpot_ms']:.1f}" for k, v in slo["by_kind"].items()
+    )
+    lines.append(f"SLO ({how}): {kinds}")
+    for v in study["variants"]:
+        mark = "  <- best chunk budget" if v["best"] else ""
+        lines.append(f"goodput {v['name']}: {v['goodput']:g} req/s (>= {study['goodput_target']:.0%}){mark}")
+    for r in study["rows"]:
+        for error, count in r["errors"].items():
+            lines.append(f"{r['variant']} rate {r['rate']:g}: {count} failed with {error}")
+    return "\n".join(lines)

@@ -1,0 +1,71 @@
+"""Where each role's processes run: CPU pinning and torch thread counts per role.
+
+`--pin prefill=0,decode=1` pins every process of a role to a CPU set (`0`, `0+2`, `0-3`); `--threads 2`
+or `--threads prefill=1,decode=1` sets `OMP_NUM_THREADS` (torch's intra-op pool) per role. Roles are
+the process roles of `splitserve.cluster`: coordinator, prefill, decode, colocated. The launcher
+applies both in the child: `os.sched_setaffinity` before exec, the thread count through the
+environment the child starts with.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+ROLES = ("coordinator", "prefill", "decode", "colocated")
+
+
+def _cpu_set(text: str) -> tuple[int, ...]:
+    cpus: set[int] = set()
+    for part in text.split("+"):
+        lo, _, hi = part.partition("-")
+        first, last = int(lo), int(hi or lo)
+        if first < 0 or last < first:
+            raise ValueError(f"bad CPU range {part!r}")
+        cpus.update(range(first, last + 1))
+    return tuple(sorted(cpus))
+
+
+def _role_map(text: str, what: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        role, sep, value = item.partition("=")
+        if not sep or role not in ROLES or not value:
+            raise ValueError(f"{what} wants ROLE=VALUE items with ROLE in {', '.join(ROLES)}; got {item!r}")
+        out[role] = value
+    return out
+
+
+def parse_pins(text: str) -> dict[str, tuple[int, ...]]:
+    """`prefill=0,decode=1+2` -> {"prefill": (0,), "decode": (1, 2)}; ValueError says what to fix."""
+    try:
+        return {role: _cpu_set(v) for role, v in _role_map(text, "--pin").items()}
+    except ValueError as exc:
+        raise ValueError(f"--pin {text!r}: {exc} (CPU sets look like 0, 0+2 or 0-3)") from None
+
+
+def parse_threads(text: str) -> dict[str, int]:
+    """`2` (every worker role) or `prefill=1,decode=2` -> role -> torch thread count (>= 1)."""
+    try:
+        if "=" not in text:
+            n = int(text)
+            counts = {role: n for role in ROLES if role != "coordinator"}
+        else:
+            counts = {role: int(v) for role, v in _role_map(text, "--threads").items()}
+    except ValueError as exc:
+        raise ValueError(f"--threads {text!r}: {exc} (a count, or ROLE=COUNT items)") from None
+    if any(n < 1 for n in counts.values()):
+        raise ValueError(f"--threads {text!r}: thread counts must be >= 1")
+    return counts
+
+
+def thread_env(threads: int | None) -> dict[str, str]:
+    """The environment that sets a child's torch (OpenMP) thread count; empty for None."""
+    return {} if threads is None else {"OMP_NUM_THREADS": str(threads)}
+
+
+def pin_hook(cpus: tuple[int, ...] | None) -> Callable[[], None] | None:
+    """A `preexec_fn` pinning the child to `cpus` before it execs; None when not pinned."""
+    if not cpus:
+        return None
+    return lambda: os.sched_setaffinity(0, set(cpus))

@@ -1,0 +1,86 @@
+"""`splitserve bench` end to end: two modes in one run on real local clusters of the tiny model, and
+the per-role pinning and thread counts that the launcher applies to worker processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from splitserve.cluster import ClusterSpec, LocalCluster
+
+pytestmark = pytest.mark.xdist_group("bench-study")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOLERANCE_MS = 5.0  # two clocks read at slightly different points of one request's life
+
+
+def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    argv = [
+        *(sys.executable, "-m", "splitserve.cli", "bench", "--model", str(tiny_model_dir("llama-2l"))),
+        *("--modes", "colocated,disaggregated", "--mix", "0.25:96x4,0.75:16x8", "--num-requests", "4"),
+        *("--rates", "4", "--slo-scale", "3", "--slo-scales", "1,4", "--unloaded-probes", "1"),
+        *("--insecure-control-plane", "--log-dir", str(tmp_path / "logs")),
+        *("--json", str(tmp_path / "study.json"), "--plots", str(tmp_path / "plots")),
+    ]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=280, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "goodput colocated:" in done.stdout and "goodput disaggregated:" in done.stdout
+    study = json.loads((tmp_path / "study.json").read_text())
+
+    assert [r["variant"] for r in study["rows"]] == ["colocated", "disaggregated"]
+    for row in study["rows"]:
+        assert row["completed"] == 4, row["errors"]
+        assert 0.0 <= row["attainment"] <= 1.0
+        assert set(row["attainment_by_scale"]) == {"1", "4"}
+        assert all(0.0 <= a <= 1.0 for a in row["attainment_by_scale"].values())
+        for req in row["requests"]:  # the breakdown agrees with TTFT
+            b = req["breakdown_ms"]
+            assert all(b[k] >= 0 for k in ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_token_ms"))
+            assert b["queue_ms"] + b["prefill_ms"] <= b["first_token_ms"] + TOLERANCE_MS
+            assert b["kv_transfer_ms"] <= b["decode_ms"] + TOLERANCE_MS  # it delays token 2, not token 1
+            assert b["first_token_ms"] <= req["ttft_ms"] + TOLERANCE_MS
+            assert b["first_token_ms"] <= b["total_ms"]
+            assert (b["kv_transfer_ms"] > 0) == (row["mode"] == "disaggregated")
+            assert req["path"] == {"colocated": "colocated", "disaggregated": "remote"}[row["mode"]]
+    assert {v["name"]: v["goodput"] in (0.0, 4.0) for v in study["variants"]} == {
+        "colocated": True,
+        "disaggregated": True,
+    }
+
+    slo = study["slo"]  # the scale resolved against the first mode's unloaded latencies
+    assert slo["reference"] == "colocated" and slo["scale"] == 3
+    base = study["unloaded"]["colocated"]
+    assert set(base) == {"96x4", "16x8"} == set(study["unloaded"]["disaggregated"])
+    for kind, latency in base.items():
+        assert latency["ttft_ms"] > 0
+        assert slo["by_kind"][kind]["ttft_ms"] == pytest.approx(3 * latency["ttft_ms"])
+        assert slo["by_kind"][kind]["tpot_ms"] == pytest.approx(3 * latency["tpot_ms"])
+
+    for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png"):
+        data = (tmp_path / "plots" / name).read_bytes()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000
+
+
+def test_workers_run_pinned_with_their_thread_count(
+    tiny_model_dir: Callable[[str], Path], tmp_path: Path
+) -> None:
+    cpu = min(os.sched_getaffinity(0))
+    spec = ClusterSpec(
+        model=str(tiny_model_dir("llama-2l")),
+        mode="colocated",
+        insecure_control_plane=True,
+        log_dir=tmp_path / "logs",
+        cpus={"colocated": (cpu,)},
+        threads={"colocated": 1},
+    )
+    with LocalCluster(spec, ready_timeout=240) as cluster:
+        (worker,) = cluster.workers("colocated")
+        assert os.sched_getaffinity(worker.proc.pid) == {cpu}
+        environ = Path(f"/proc/{worker.proc.pid}/environ").read_bytes().split(b"\0")
+        assert b"OMP_NUM_THREADS=1" in environ
+        assert os.sched_getaffinity(cluster.coordinator.proc.pid) == os.sched_getaffinity(0)  # unpinned

@@ -1,0 +1,124 @@
+"""`splitserve bench` without servers: workload mixes and arrivals, SLO scale, goodput, flags."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from splitserve.bench.load import RequestTrace
+from splitserve.bench.metrics import Latency, attainment, goodput, scaled, unloaded
+from splitserve.bench.study import BUDGET_FLAG, Variant, variant_spec, variants
+from splitserve.bench.workload import MIXES, arrivals, mixed, parse_mix
+from splitserve.cli import build_parser
+from splitserve.cluster import ClusterSpec
+from splitserve.placement import parse_pins, parse_threads
+
+
+def trace(kind: str, ttft_ms: float, tpot_ms: float, tokens: int = 3) -> RequestTrace:
+    t = RequestTrace(kind, 8, tokens, sent=0.0)
+    first = ttft_ms / 1e3
+    t.token_times = [first + i * tpot_ms / 1e3 for i in range(tokens)]
+    return t
+
+
+def pairs(latencies: dict[str, Latency]) -> dict[str, float]:
+    """Flat {"kind.ttft": ms, "kind.tpot": ms} for pytest.approx."""
+    return {f"{k}.{f}": getattr(v, f"{f}_ms") for k, v in latencies.items() for f in ("ttft", "tpot")}
+
+
+def test_docs_chats_mix_has_exact_shares_and_is_seeded() -> None:
+    items = mixed(MIXES["docs-chats"], 40, vocab=100, seed=3)
+    assert sum(1 for it in items if it.kind == "doc") == 10
+    assert {(it.prompt_len, it.max_tokens) for it in items} == {(1024, 16), (64, 64)}
+    assert items == mixed(MIXES["docs-chats"], 40, vocab=100, seed=3)
+    small = mixed(parse_mix("0.25:16x2,0.75:4x4"), 4, vocab=100, seed=0)
+    assert sorted(it.kind for it in small) == ["16x2", "4x4", "4x4", "4x4"]  # a 4-request run keeps a doc
+
+
+def test_poisson_arrivals_are_seeded_and_increasing() -> None:
+    a = arrivals(50, 4.0, seed=1)
+    assert a == arrivals(50, 4.0, seed=1) and a != arrivals(50, 4.0, seed=2)
+    assert a[0] == 0.0 and all(x < y for x, y in itertools.pairwise(a))
+    assert 5 < a[-1] < 25  # 49 gaps of mean 0.25 s
+    assert arrivals(3, 0.0, seed=1) == [0.0, 0.0, 0.0]
+
+
+def test_slo_scale_resolves_against_each_kinds_unloaded_latency() -> None:
+    base = unloaded(
+        [trace("doc", 100, 10), trace("doc", 120, 12), trace("doc", 500, 50), trace("chat", 20, 5)]
+    )
+    assert pairs(base) == pytest.approx(
+        {"doc.ttft": 120, "doc.tpot": 12, "chat.ttft": 20, "chat.tpot": 5}
+    )  # medians per kind
+    slos = scaled(base, 2.5)
+    assert pairs(slos) == pytest.approx({"doc.ttft": 300, "doc.tpot": 30, "chat.ttft": 50, "chat.tpot": 12.5})
+    loaded = [trace("doc", 290, 29), trace("doc", 310, 5), trace("chat", 40, 13), trace("chat", 40, 12.4)]
+    assert attainment(loaded, slos) == 0.5
+    failed = RequestTrace("chat", 8, 3, error="UNAVAILABLE: gone")
+    assert attainment([*loaded, failed], slos) == 0.4  # a failed request is a miss
+    with pytest.raises(ValueError, match="unloaded probe failed: UNAVAILABLE"):
+        unloaded([failed])
+
+
+def test_goodput_is_the_highest_rate_before_attainment_drops() -> None:
+    assert goodput([(1, 1.0), (2, 0.95), (4, 0.5), (8, 0.92)]) == 2  # 8 after a collapse does not count
+    assert goodput([(0, 1.0), (1, 0.8)]) == 0.0  # a burst (rate 0) is no rate
+    assert goodput([(4, 0.9), (2, 1.0)]) == 4
+
+
+def test_chunk_budgets_make_colocated_variants_with_the_worker_flag() -> None:
+    vs = variants(["colocated", "disaggregated"], [128, 512])
+    assert [v.name for v in vs] == ["colocated@128", "colocated@512", "disaggregated"]
+    spec = variant_spec(ClusterSpec(mode="disaggregated", decode_args=["--block-size", "4"]), vs[1])
+    assert spec.mode == "colocated" and spec.decode_args == ["--block-size", "4", BUDGET_FLAG, "512"]
+    assert variant_spec(ClusterSpec(), Variant("disaggregated")).decode_args == []
+
+
+def test_pin_and_thread_flags_parse() -> None:
+    assert parse_pins("prefill=0,decode=1+3,colocated=0-2") == {
+        "prefill": (0,),
+        "decode": (1, 3),
+        "colocated": (0, 1, 2),
+    }
+    assert parse_threads("2")["prefill"] == 2 and "coordinator" not in parse_threads("2")
+    assert parse_threads("decode=1") == {"decode": 1}
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--modes", "colocated,split"], "'split' is not a mode (disaggregated, colocated, conditional)"),
+        (["--rates", "1,fast"], "'fast' is not a rate"),
+        (["--prefill-chunk-budgets", "128,-1"], "'-1' is not a positive token count"),
+        (["--mix", "half:1024x16"], "SHARE:INxOUT items"),
+        (["--pin", "gpu=0"], "ROLE in coordinator, prefill, decode, colocated"),
+        (["--pin", "decode=1-0"], "bad CPU range"),
+        (["--threads", "decode=0"], "thread counts must be >= 1"),
+        (["--mix", "docs-chats", "--dataset", "x.jsonl"], "not allowed with argument"),
+    ],
+)
+def test_bad_flags_are_usage_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser("bench").parse_args(["bench", *flags])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--modes", "disaggregated", "--prefill-chunk-budgets", "128"], "add colocated to --modes"),
+        (["--rates", "1,2", "--scale-rate", "4"], "--scale-rate 4 is not one of --rates"),
+        (["--target", "127.0.0.1:1", "--modes", "colocated,disaggregated"], "several --modes need local"),
+    ],
+)
+def test_contradicting_flags_stop_before_any_cluster(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from splitserve import bench
+
+    assert bench.run(build_parser("bench").parse_args(["bench", *flags])) == 2
+    assert message in capsys.readouterr().err

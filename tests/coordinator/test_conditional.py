@@ -1,0 +1,178 @@
+"""Conditional disaggregation in the router: per request, prefill on a prefill worker and ship the KV,
+or prefill on the decode worker itself, by the estimates built from the workers' reports (queue,
+measured per-token cost, prefix events, step budget, transfer time). Seed 001's "cache hit that loses",
+with the per-token cost the tiny model measures here."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from coordinator.router import LOCAL, REMOTE, prefix_block_hashes
+from coordinator.routing_policy import RoutingPolicy
+from coordinator.served_model import ServedModel
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import load_model
+from engine.sampling_params import SamplingParams
+from tests.coordinator.conftest import Pool
+
+# D: 64 tokens a step, 8 running decodes (56 spare), 20 ms a decode step, 3 ms of exposed transfer
+DECODE_LOAD = {"step_token_budget": 64, "running_requests": 8, "decode_step_ms": 20.0, "kv_transfer_ms": 3.0}
+
+
+def conditional_pool(served_model: ServedModel, p_queued_tokens: int) -> Pool:
+    """P measured at 50 us/token with `p_queued_tokens` queued; D as DECODE_LOAD; at most 256
+    uncached tokens prefilled on D."""
+    pool = Pool(served_model, RoutingPolicy("conditional", local_prefill_max_tokens=256))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    pool.report("p", queued_tokens=p_queued_tokens, us_per_token=50.0)
+    pool.report("d", **DECODE_LOAD)
+    return pool
+
+
+def test_short_prompt_prefills_on_the_decode_worker_when_the_prefill_worker_is_queued(
+    served_model: ServedModel,
+) -> None:
+    pool = conditional_pool(served_model, p_queued_tokens=4000)  # 200 ms of queue on P
+    short = list(range(100, 132))
+    placement = pool.router.place(short)
+    assert placement is not None and placement.path == LOCAL and placement.colocated
+    assert placement.decode.worker_id == "d" and placement.decision == "local"
+    # P: 200 ms queue + 32 x 50 us + 3 ms transfer; D: 32 x 50 us (the pool's cost) + one 20 ms step
+    assert placement.remote_ttft_ms == pytest.approx(200.0 + 1.6 + 3.0)
+    assert placement.local_ttft_ms == placement.estimated_ttft_ms == pytest.approx(1.6 + 20.0)
+    routing = placement.routing()
+    assert routing.path == LOCAL and routing.decode_spare_tokens == 56 and routing.uncached_tokens == 32
+    assert routing.prefill_queue_ms == pytest.approx(200.0) and routing.transfer_ms == pytest.approx(3.0)
+
+    pool.report("p", us_per_token=50.0)  # P idle: the hop (3 ms) is cheaper than a decode step (20 ms)
+    placement = pool.router.place(short)
+    assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
+    assert placement.local_ttft_ms == pytest.approx(21.6) and placement.estimated_ttft_ms == pytest.approx(
+        4.6
+    )
+
+
+def test_long_prompt_goes_to_the_prefill_worker_however_queued(served_model: ServedModel) -> None:
+    pool = conditional_pool(served_model, p_queued_tokens=100_000)  # 5 s of queue on P
+    placement = pool.router.place(list(range(300)))  # 300 uncached tokens > the 256-token limit
+    assert placement is not None and placement.path == REMOTE and placement.decode.worker_id == "d"
+    assert 0 < placement.local_ttft_ms < placement.remote_ttft_ms  # cheaper, but it would hold D
+
+
+def test_without_a_prefill_worker_with_room_only_short_prompts_run_on_the_decode_worker(
+    served_model: ServedModel,
+) -> None:
+    pool = conditional_pool(served_model, p_queued_tokens=0)
+    pool.registry.sweep(now=10.0)  # both silent past the bound; only D heartbeats again
+    pool.report("d", now=10.0, **DECODE_LOAD)
+    short = pool.router.place(list(range(16)))
+    assert short is not None and short.path == LOCAL and short.remote_ttft_ms == 0.0
+    assert pool.router.place(list(range(300))) is None  # waits for a prefill worker, never holds D
+
+
+def test_mostly_cached_prompt_skips_the_hop(served_model: ServedModel) -> None:
+    """A follow-up turn whose history D decoded: 992 of its 1,000 tokens are in D's prefix cache."""
+    prompt = [t % 700 for t in range(1000)]
+    pool = conditional_pool(served_model, p_queued_tokens=0)
+    pool.report("d", stored=prefix_block_hashes(prompt, 16, pool.model.identity), **DECODE_LOAD)
+    placement = pool.router.place(prompt)
+    assert placement is not None and placement.path == LOCAL
+    assert (placement.cached_tokens, placement.uncached_tokens) == (992, 8)
+    assert placement.remote_ttft_ms == pytest.approx(1000 * 0.05 + 3.0)  # P has none of it
+
+
+def test_step_base_counts_once_per_step_of_the_budget(served_model: ServedModel) -> None:
+    """P measured as 100 ms a step + 1.5 ms a token, 32 tokens a step: 300 queued + 64 new tokens
+    are 12 steps. D (idle, same cost) prefills the 64 tokens in 2 steps of its 100 ms decode step."""
+    pool = Pool(served_model, RoutingPolicy("conditional"))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    step = {"step_token_budget": 32, "step_base_ms": 100.0}
+    pool.report("p", queued_tokens=300, us_per_token=1500.0, **step)
+    pool.report("d", us_per_token=1500.0, decode_step_ms=100.0, **step)
+    placement = pool.router.place(list(range(64)))
+    assert placement is not None and placement.path == LOCAL
+    assert placement.prefill_queue_ms == pytest.approx(300 * 1.5 + 10 * 100.0)
+    assert placement.remote_ttft_ms == pytest.approx(364 * 1.5 + 12 * 100.0)
+    assert placement.local_ttft_ms == pytest.approx(64 * 1.5 + 2 * 100.0)
+
+
+def test_no_spare_step_budget_means_no_local_prefill(served_model: ServedModel) -> None:
+    pool = conditional_pool(served_model, p_queued_tokens=4000)
+    pool.report("d", **(DECODE_LOAD | {"running_requests": 64}))  # the decodes take the whole budget
+    placement = pool.router.place(list(range(16)))
+    assert placement is not None and placement.path == REMOTE and placement.decode_spare_tokens == 0
+
+
+def test_placed_local_work_counts_against_the_next_local_estimate(served_model: ServedModel) -> None:
+    pool = conditional_pool(served_model, p_queued_tokens=4000)  # remote: 200 + 10 + 3 ms
+    first = pool.router.place(list(range(200)))
+    assert first is not None and first.path == LOCAL
+    assert first.local_ttft_ms == pytest.approx(200 * 0.05 + 4 * 20.0)  # 4 steps of 56 spare tokens
+    pool.router.commit(first)
+    second = pool.router.place(list(range(300, 500)))  # behind the first: 400 tokens, 8 steps
+    assert second is not None and second.local_ttft_ms == pytest.approx(400 * 0.05 + 8 * 20.0)
+
+
+@pytest.mark.parametrize(("mode", "path"), [("always", REMOTE), ("never", LOCAL)], ids=["always", "never"])
+def test_always_and_never_ignore_the_estimates(served_model: ServedModel, mode: str, path: int) -> None:
+    pool = Pool(served_model, RoutingPolicy(mode))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    pool.report("d", **DECODE_LOAD)
+    for prompt in (list(range(8)), list(range(2000))):
+        placement = pool.router.place(prompt)
+        assert placement is not None and placement.path == path
+
+
+def test_bad_policy_names_the_flag() -> None:
+    with pytest.raises(ValueError, match="--disaggregation must be one of always, never, conditional"):
+        RoutingPolicy("sometimes")
+    with pytest.raises(ValueError, match="--local-prefill-max-tokens"):
+        RoutingPolicy("conditional", -1)
+
+
+@pytest.fixture(scope="module")
+def tiny_us_per_token(tiny_model_dir: Callable[[str], Path]) -> float:
+    """What the tiny model's prefill costs per token on this machine (one 512-token step)."""
+    engine = LLMEngine(load_model(tiny_model_dir("llama-2l")), EngineConfig(num_blocks=64))
+    engine.add_request("warm", list(range(5, 69)), SamplingParams(max_tokens=1))
+    engine.step()
+    engine.add_request("m", list(range(5, 517)), SamplingParams(max_tokens=1))
+    start = time.perf_counter()
+    engine.step()
+    return (time.perf_counter() - start) * 1e6 / 512
+
+
+@pytest.mark.parametrize("queued_ms", [450.0, 100.0], ids=["long-queue-loses", "short-queue-wins"])
+def test_the_cache_hit_that_loses_scaled_to_the_tiny_model(
+    served_model: ServedModel, tiny_us_per_token: float, queued_ms: float
+) -> None:
+    """Seed 001 at the tiny model's measured cost c: idle B recomputes all 6,000 tokens in "240 ms"
+    (6,000 c); A holds 4,000 of them behind "450 ms" of queued prefill (scaled by the same factor), so
+    A's first token costs 450 + 80 scaled ms and B wins; behind "100 ms" A costs 180 and wins."""
+    c = tiny_us_per_token
+    scale = 6000 * c / 1e3 / 240.0  # tiny-model ms per seed-ms
+    prompt = [t % 1000 for t in range(6000)]
+    hashes = prefix_block_hashes(prompt, 16, served_model.identity)
+    pool = Pool(served_model)
+    pool.add("a", "prefill")
+    pool.add("b", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    queued = round(queued_ms * scale * 1e3 / c)
+    pool.report("a", queued_tokens=queued, us_per_token=c, stored=hashes[: 4000 // 16])
+    pool.report("b", us_per_token=c)
+    ttft_a, cached = pool.router.estimate_ttft(pool.registry.get("a"), prompt)  # type: ignore[arg-type]
+    assert cached == 4000 and ttft_a == pytest.approx((queued_ms + 80.0) * scale, rel=1e-3)
+    ttft_b, _ = pool.router.estimate_ttft(pool.registry.get("b"), prompt)  # type: ignore[arg-type]
+    assert ttft_b == pytest.approx(240.0 * scale)
+    placement = pool.router.place(prompt)
+    assert placement is not None
+    assert placement.prefill.worker_id == ("b" if queued_ms == 450.0 else "a")
+    assert placement.cached_tokens == (0 if queued_ms == 450.0 else 4000)

@@ -1,0 +1,93 @@
+"""A decode worker prefilling locally (conditional disaggregation): the same greedy output as the
+prefill-worker path and the colocated worker, chunks within the step budget the running decodes leave,
+the reports the router decides by, and clean pools after."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.loader import LoadedModel
+from engine.sampling_params import SamplingParams
+from splitserve import wire
+from splitserve.v1 import serving_pb2
+from tests.workers.conftest import Cluster, execution_request
+from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt
+
+LENGTH = serving_pb2.FINISH_REASON_LENGTH
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_running_decodes_take_the_step_budget_before_a_prompt_chunk(loaded: LoadedModel) -> None:
+    """The prompt is older than the decodes in the running list, yet every step serves both decodes
+    and gives the prompt only what is left of the 16-token budget."""
+    engine = LLMEngine(loaded, EngineConfig(block_size=4, num_blocks=128, max_num_batched_tokens=16))
+    rng = random.Random(1)
+    long = engine.add_request("long", random_prompt(rng, 60), GREEDY)
+    engine.step()  # its first chunk: 16 of 60 tokens
+    decodes = []
+    for i in range(2):
+        seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), GREEDY)
+        assert engine.reserve(seq) is not None
+        engine.join(seq, 7)  # as if its KV landed: decoding from the next step on
+        decodes.append(seq)
+    while long.num_output_tokens == 0:  # its prefill, chunk by chunk
+        out = engine.schedule()
+        chunks = {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
+        assert chunks["d0"] == chunks["d1"] == 1 and out.num_tokens <= 16
+        assert chunks["long"] == min(14, long.num_tokens - long.num_computed_tokens)
+        engine.finish_step(out, engine.execute(out))
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check_integrity()
+
+
+async def test_three_paths_give_the_same_greedy_output(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    """Remote (P computes, KV shipped), local (D prefills itself, chunked beside its decodes) and
+    colocated: token for token the offline engine's greedy output."""
+    p = await cluster.start("prefill", "p0")
+    d = await cluster.start("decode", "d0", max_num_batched_tokens=16)
+    c = await cluster.start("colocated", "c0", max_num_batched_tokens=16)
+    coord, identity = cluster.coordinator, p.engine.loaded.identity
+    rng = random.Random(11)
+    prompts = [random_prompt(rng, n) for n in (37, 5, 23)]
+    remote = {10 + i: prompt for i, prompt in enumerate(prompts)}
+    local = {20 + i: prompt for i, prompt in enumerate(prompts)}
+    colocated = {30 + i: prompt for i, prompt in enumerate(prompts)}
+    for rid, prompt in remote.items():  # decoding on D while D prefills the local ones below
+        await dispatch(coord, p, d, execution_request(rid, prompt, 12, identity=identity))
+    for rid, prompt in local.items():
+        await coord.send("d0", decode={"request": execution_request(rid, prompt, 12, identity=identity)})
+    for rid, prompt in colocated.items():
+        await coord.send("c0", decode={"request": execution_request(rid, prompt, 12, identity=identity)})
+    got = await coord.collect(set(remote) | set(local) | set(colocated))
+    for rid in remote:
+        want = (greedy(remote[rid], 12), LENGTH)
+        assert got[rid] == got[rid + 10] == got[rid + 20] == want
+    await assert_quiescent(cluster, p, d, c)
+
+
+async def test_decode_worker_reports_what_the_router_weighs(cluster: Cluster) -> None:
+    """Its heartbeat carries its step budget, its measured cost and its prefix cache (the prompt it
+    prefilled), so the next turn of the conversation can be found there."""
+    d = await cluster.start("decode", "d0", max_num_batched_tokens=24)
+    coord = cluster.coordinator
+    prompt = random_prompt(random.Random(5), 30)
+    await coord.send(
+        "d0", decode={"request": execution_request(1, prompt, 4, identity=d.engine.loaded.identity)}
+    )
+    await coord.collect({1})
+    await assert_quiescent(cluster, d)
+    stored: set[int] = set()
+    while True:  # heartbeats announce its prefix cache as deltas; one comes after the request ended
+        _, env = await coord.expect("heartbeat")
+        hb = env.heartbeat
+        stored |= set(wire.unpack_hashes(hb.prefix_cache.stored))
+        if len(stored) >= 30 // 4 and hb.load.running_requests == 0:  # the prompt's 7 full blocks
+            break
+    assert hb.load.step_token_budget == 24 and hb.load.prefill_us_per_token > 0
+    assert hb.load.queued_tokens == 0
