@@ -4,6 +4,7 @@
     kvbench run --backend ucx --model-shape llama-2l --tokens 128,1k,4k,32k
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
+    kvbench run --backend ucx,tcp,nixl --busy 2           # beside NIXL, 2 busy loops running
 
 Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
 one row per point with its ratio to it. Exits 1 when any verification failed.
@@ -21,8 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kvtransfer.bench import agent, report, runner
+from kvtransfer.bench import agent, nixl_sweep, report, runner
 from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
+from kvtransfer.bench.busy import BusyLoops
 from kvtransfer.bench.report import parse_size, parse_tokens
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB,16MiB,64MiB"
@@ -40,7 +42,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="run a benchmark and print a table")
     run.add_argument(
-        "--backend", type=_csv(str), default=["ucx", "tcp"], help="ucx, ucx-stock (UCXX defaults), tcp"
+        "--backend",
+        type=_csv(str),
+        default=["ucx", "tcp"],
+        help="ucx, ucx-stock (UCXX defaults), tcp, nixl (NIXL, if installed)",
     )
     run.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES))
     run.add_argument("--depth", type=_csv(int), default=[1], help="messages in flight (a sweep)")
@@ -70,6 +75,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=parse_size,
         default=None,
         help="bytes each side rotates through (default: 4x the LLC; smaller rings measure the cache)",
+    )
+    run.add_argument(
+        "--busy", type=int, default=0, help="busy-loop processes running beside the agents all run long"
+    )
+    run.add_argument(
+        "--nixl-variants",
+        type=_csv(str),
+        default=["read", "write", "read+thread", "write+thread"],
+        help="NIXL variants the nixl row takes the best of (+thread: NIXL's progress thread on)",
     )
     run.add_argument(
         "--device", default="cpu", help="where both agents' buffers live (cuda: cuda_ipc, d2d baseline)"
@@ -104,11 +118,32 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         agent_log=args.agent_log.open("a"),
         pin_agents=args.pin_agents,
         ring_bytes=args.ring_bytes,
+        busy=args.busy,
+        nixl_variants=args.nixl_variants,
         device=args.device,
     )
-    unknown = [b for b in cfg.backends if b not in runner.BACKEND_ARGS]
+    if cfg.busy < 0:
+        raise SystemExit(f"--busy takes a count of busy loops >= 0, got {cfg.busy}")
+    known = [*runner.BACKEND_ARGS, *runner.PEER_BACKENDS]
+    unknown = [b for b in cfg.backends if b not in known]
     if unknown:
-        raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(runner.BACKEND_ARGS)}")
+        raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(known)}")
+    if "nixl" in cfg.backends:
+        why = (
+            nixl_sweep.nixl_missing()
+            or ("the nixl row has no --model-shape mode yet" if cfg.model_shape else None)
+            or ("the nixl row keeps its rings in host memory (no --device)" if cfg.device != "cpu" else None)
+        )
+        if why:
+            print(f"nixl: skipped ({why})", file=sys.stderr)
+            cfg.backends = [b for b in cfg.backends if b != "nixl"]
+    with BusyLoops(cfg.busy) as busy:
+        if cfg.busy:
+            print(f"busy loops running beside the agents: pids {busy.pids}", file=sys.stderr)
+        return await _sweep(cfg, args)
+
+
+async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
     memcpy: dict[int, float] = {}
 
     def memcpy_for(size: int) -> float:
@@ -133,7 +168,9 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     progress = report.Progress(points)
     rows: list[report.Row] = []
     for backend in cfg.backends:
-        if cfg.model_shape is None:
+        if backend == "nixl":
+            rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
+        elif cfg.model_shape is None:
             rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
         else:
             rows += await runner.model_sweep(cfg, backend, memcpy_for, progress)
@@ -145,6 +182,8 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         report.write_csv(rows, args.csv)
     if args.plot and cfg.model_shape is None:
         report.plot(rows, memcpy, args.plot)
+    if cfg.busy:
+        print(f"{cfg.busy} busy loop(s) ran beside the agents (column `busy`)", file=sys.stderr)
     print(f"agent logs: {args.agent_log}", file=sys.stderr)
     failed = [r for r in rows if not r["verified"]]
     if failed:

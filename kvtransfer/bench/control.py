@@ -9,10 +9,12 @@ here. `spawn_agent` starts a local agent and returns once it printed its ready l
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import functools
 import itertools
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -64,6 +66,12 @@ class AgentClient:
         self._socket.close()
 
 
+def die_with_parent() -> None:
+    """Linux: get SIGKILL when the process that spawned us dies, so no child outlives its bench."""
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 @dataclass
 class SpawnedAgent:
     """A local agent process; `info` is its ready line (control endpoint, transport address and key)."""
@@ -94,14 +102,18 @@ class SpawnedAgent:
 
 
 def spawn_agent(
-    args: Sequence[str], log: IO[str] | None = None, timeout: float = 60.0, cpu: int | None = None
+    args: Sequence[str],
+    log: IO[str] | None = None,
+    timeout: float = 60.0,
+    cpu: int | None = None,
+    module: str = "kvtransfer.bench.agent",
 ) -> SpawnedAgent:
-    """Start `python -m kvtransfer.bench.agent ARGS` and wait for its ready line on stdout.
+    """Start `python -m MODULE ARGS` (an agent) and wait for its ready line on stdout.
 
     The agent's logs (stderr) go to `log`, or to our stderr. `cpu`: pin the agent (all its threads)
     to that core."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "kvtransfer.bench.agent", *args, "--die-with-parent"],
+        [sys.executable, "-m", module, *args, "--die-with-parent"],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,

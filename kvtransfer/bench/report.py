@@ -27,6 +27,7 @@ UNITS = {
 }
 
 COLUMNS = [
+    ("busy", "busy", "{}"),
     ("backend", "backend", "{}"),
     ("size", "size", "{}"),
     ("depth", "depth", "{}"),
@@ -45,6 +46,7 @@ COLUMNS = [
 ]
 
 MODEL_COLUMNS = [
+    ("busy", "busy", "{}"),
     ("backend", "backend", "{}"),
     ("model_shape", "shape", "{}"),
     ("tokens", "tokens", "{}"),

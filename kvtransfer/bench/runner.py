@@ -29,6 +29,8 @@ BACKEND_ARGS = {
     "ucx-stock": ["--backend", "ucx", "--stock"],
     "tcp": ["--backend", "tcp"],
 }
+# Peers measured beside ours, each by its own agent (`kvtransfer.bench.nixl_agent`), local only.
+PEER_BACKENDS = ("nixl",)
 RAW_LAYOUT = KVLayout("uint8", 1, 1, 1, 1, "kvbench-raw")
 GIB = 1 << 30
 
@@ -50,10 +52,12 @@ class BenchConfig:
     agent_log: IO[str] | None = None
     pin_agents: bool = False
     ring_bytes: int | None = None  # bytes each side rotates through (None: 4x the LLC)
+    busy: int = 0  # busy-loop processes running beside the agents (`--busy`)
+    nixl_variants: list[str] = field(default_factory=lambda: ["read", "write", "read+thread", "write+thread"])
     device: str = "cpu"  # where both agents keep their rings and caches (cuda: cuda_ipc on one host)
 
     def agent_args(self, backend: str) -> list[str]:
-        args = list(BACKEND_ARGS[backend])
+        args = list(BACKEND_ARGS.get(backend, []))
         if self.progress_mode and backend.startswith("ucx"):
             args += ["--progress-mode", self.progress_mode]
         for opt in self.ucx_opts if backend.startswith("ucx") else []:
@@ -172,14 +176,14 @@ async def raw_sweep(
                     await _raw_run(agents, iters, depth, verify=i == cfg.repeats - 1)
                     for i in range(cfg.repeats)
                 ]
-                rows.append(_raw_row(cfg, backend, size, depth, iters, memcpy[size], agents, warm, runs))
+                rows.append(raw_row(cfg, backend, size, depth, iters, memcpy[size], agents, warm, runs))
                 progress.step(f"{backend} {format_size(size)} depth {depth}")
     finally:
         await agents.close()
     return rows
 
 
-def _raw_row(
+def raw_row(
     cfg: BenchConfig,
     backend: str,
     size: int,
@@ -232,6 +236,7 @@ def _inputs(cfg: BenchConfig, backend: str) -> Row:
         "command": cfg.command,
         "host": os.uname().nodename,
         "load1": os.getloadavg()[0],  # other work on a shared machine skews absolute numbers
+        "busy": cfg.busy,
     }
 
 

@@ -1,0 +1,138 @@
+"""kvbench's `nixl` row: NIXL (UCX backend) between two agent processes, measured as our raw rows are.
+
+Same set-up as `runner.raw_sweep`: two processes, rings beyond the LLC on both sides (sender seeded,
+receiver zeroed), a warm-up run, `repeats` runs of `duration`, the last verified by CRC-32 of every ring
+buffer on both sides, GB/s from the span between the first and the last completion. Each variant
+(READ or WRITE, NIXL's progress thread off or on) is measured and the row reports the best verified
+one (`transport` names it; `nixl_variants` holds all). Without the progress thread the target
+progresses NIXL itself until the initiator's closing notification (as nixlbench's target does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from kvtransfer.bench.control import AgentClient, spawn_agent
+from kvtransfer.bench.nixl_agent import import_nixl
+from kvtransfer.bench.report import Progress, Row, format_size
+from kvtransfer.bench.runner import Agents, BenchConfig, agent_cpus, raw_row
+
+VARIANTS = {
+    "read": ("READ", False),
+    "write": ("WRITE", False),
+    "read+thread": ("READ", True),
+    "write+thread": ("WRITE", True),
+}
+
+
+def nixl_missing() -> str | None:
+    """Why the nixl row cannot run here, or None when NIXL is importable."""
+    try:
+        import_nixl()
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+async def _start(cfg: BenchConfig, thread: bool) -> Agents:
+    args = ["--progress-thread"] if thread else []
+    cpus = agent_cpus() if cfg.pin_agents else [None, None]
+    module = "kvtransfer.bench.nixl_agent"
+    spawned = [spawn_agent(args, cfg.agent_log, cpu=cpu, module=module) for cpu in cpus]
+    recv, send = AgentClient(spawned[0].control), AgentClient(spawned[1].control)
+    agents = Agents(recv, send, spawned[0].address, spawned[1].address, 0.0, "nixl:UCX", spawned)
+    try:
+        recv_info, send_info = await recv.call("info"), await send.call("info")
+        t0 = time.perf_counter()
+        await send.call("connect", metadata=recv_info["metadata"])
+        await recv.call("connect", metadata=send_info["metadata"])
+        agents.connect_ms = (time.perf_counter() - t0) * 1e3
+    except BaseException:
+        await agents.close()
+        raise
+    return agents
+
+
+async def _run(
+    agents: Agents, op: str, thread: bool, iters: int, depth: int, used: int | None
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run; `used`: verify that many ring buffers. Returns (receiver, sender) replies shaped
+    as `runner.raw_row` reads them (span and latencies from the initiator)."""
+    initiator, target = (agents.send, agents.recv) if op == "WRITE" else (agents.recv, agents.send)
+    tag = uuid.uuid4().hex
+    cpu0 = (await target.call("cpu"))["cpu_s"]
+    calls = [initiator.call("xfer", operation=op, iters=iters, depth=depth, tag=tag, timeout=600)]
+    if not thread:
+        calls.append(target.call("progress", tag=tag, timeout=600))
+    xfer = (await asyncio.gather(*calls))[0]
+    target_cpu = (await target.call("cpu"))["cpu_s"] - cpu0
+    checks: list[Any] = [None, None]
+    if used is not None:
+        checks = [(await a.call("checksums", used=used))["checksums"] for a in (agents.recv, agents.send)]
+    recv = {"span_s": xfer["span_s"], "cpu_s": target_cpu, "checksums": checks[0]}
+    return recv, {**xfer, "checksums": checks[1]}
+
+
+async def _prepare_rings(cfg: BenchConfig, agents: Agents, size: int) -> int:
+    sent = await agents.send.call("ring", size=size, seed=size, ring_bytes=cfg.ring_bytes)
+    received = await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes)
+    await agents.send.call("peer_ring", descs=received["descs"], metadata=received["metadata"])
+    await agents.recv.call("peer_ring", descs=sent["descs"], metadata=sent["metadata"])
+    return int(sent["ring"])
+
+
+async def _variant_rows(
+    cfg: BenchConfig, thread: bool, ops: list[str], memcpy: dict[int, float]
+) -> list[tuple[tuple[int, int], Row]]:
+    agents = await _start(cfg, thread)
+    rows = []
+    try:
+        for size in cfg.sizes:
+            ring = await _prepare_rings(cfg, agents, size)
+            for depth in cfg.depths:
+                for op in ops:
+                    warm_iters = max(2 * depth, ring)  # touches every ring buffer once
+                    t0 = time.perf_counter()
+                    _, warm = await _run(agents, op, thread, warm_iters, depth, None)
+                    per_iter = (time.perf_counter() - t0) / warm_iters
+                    iters = max(ring, 2 * depth, math.ceil(cfg.duration_s / per_iter))
+                    used = min(iters, ring)
+                    runs = [
+                        await _run(agents, op, thread, iters, depth, used if i == cfg.repeats - 1 else None)
+                        for i in range(cfg.repeats)
+                    ]
+                    row = raw_row(cfg, "nixl", size, depth, iters, memcpy[size], agents, warm, runs)
+                    row["transport"] = f"nixl:UCX {op} thread {'on' if thread else 'off'}"
+                    rows.append(((size, depth), row))
+    finally:
+        await agents.close()
+    return rows
+
+
+async def nixl_sweep(cfg: BenchConfig, memcpy: dict[int, float], progress: Progress) -> list[Row]:
+    """One row per (size, depth): the best verified variant of `cfg.nixl_variants`."""
+    if cfg.peer is not None:
+        raise SystemExit("--backend nixl runs both of its agents on this host (drop --peer)")
+    unknown = [v for v in cfg.nixl_variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --nixl-variants {unknown}; choose from {sorted(VARIANTS)}")
+    by_point: dict[tuple[int, int], list[Row]] = defaultdict(list)
+    for thread in (False, True):
+        ops = [VARIANTS[v][0] for v in cfg.nixl_variants if VARIANTS[v][1] == thread]
+        if ops:
+            for point, row in await _variant_rows(cfg, thread, ops, memcpy):
+                by_point[point].append(row)
+    rows = []
+    for (size, depth), candidates in by_point.items():
+        verified = [r for r in candidates if r["verified"]]
+        best = dict(max(verified or candidates, key=lambda r: float(r["gbps"])))
+        best["nixl_variants"] = {r["transport"]: r["gbps"] for r in candidates}
+        best["verified"] = all(r["verified"] for r in candidates)
+        rows.append(best)
+        progress.step(f"nixl {format_size(size)} depth {depth}")
+    return rows

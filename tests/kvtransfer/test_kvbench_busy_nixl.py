@@ -1,0 +1,76 @@
+"""kvbench's contention and peer rows: `--busy N` loops beside the agents, and the `nixl` row."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvtransfer.bench import cli
+from kvtransfer.bench.busy import BusyLoops
+from kvtransfer.bench.nixl_sweep import VARIANTS, nixl_missing
+
+TEST_RING = "8MiB"
+TOY = ["--duration", "0.05", "--repeats", "1", "--ring-bytes", TEST_RING]
+
+
+def _printed_pids(stderr: str) -> list[int]:
+    match = re.search(r"busy loops running beside the agents: pids \[([0-9, ]+)\]", stderr)
+    assert match, f"no busy pids in {stderr!r}"
+    return [int(p) for p in match.group(1).split(",")]
+
+
+def _gone(pid: int) -> bool:
+    """Reaped: not even a zombie is left (a child of ours cannot be reused before we reap it)."""
+    return not Path(f"/proc/{pid}").exists()
+
+
+def test_busy_run_records_busy_in_every_row_and_leaves_no_loop_behind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = ["run", "--backend", "tcp", "--sizes", "256KiB", "--busy", "1", *TOY, "--json", str(out)]
+    assert cli.main([*argv, "--csv", str(tmp_path / "rows.csv"), "--agent-log", str(tmp_path / "a.log")]) == 0
+    captured = capsys.readouterr()
+    (pid,) = _printed_pids(captured.err)
+    assert _gone(pid)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["busy"] for r in rows] == [1] and rows[0]["verified"] is True
+    assert "busy" in (tmp_path / "rows.csv").read_text().splitlines()[0].split(",")
+    assert captured.out.splitlines()[-3].split()[0] == "busy"  # the table's first column
+
+
+def test_busy_loops_are_reaped_when_the_run_fails(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["run", "--backend", "tcp", "--model-shape", "no-such-shape", "--busy", "2", *TOY]
+    with pytest.raises(SystemExit, match="unknown model shape"):
+        cli.main([*argv, "--agent-log", str(tmp_path / "a.log")])
+    pids = _printed_pids(capsys.readouterr().err)
+    assert len(pids) == 2 and all(_gone(p) for p in pids)
+
+
+def test_busy_loops_are_reaped_on_ctrl_c() -> None:
+    with pytest.raises(KeyboardInterrupt), BusyLoops(2) as busy:
+        pids = busy.pids
+        assert all(Path(f"/proc/{p}").exists() for p in pids)
+        raise KeyboardInterrupt
+    assert all(_gone(p) for p in pids)
+
+
+def test_a_negative_busy_count_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--busy takes a count"):
+        cli.main(["run", "--backend", "tcp", "--busy", "-1", *TOY])
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
+def test_nixl_row_is_verified_and_reports_a_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = ["run", "--backend", "nixl", "--sizes", "1MiB", *TOY, "--json", str(out)]
+    assert cli.main([*argv, "--agent-log", str(tmp_path / "a.log")]) == 0
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["backend"] == "nixl" and row["verified"] is True and row["gbps"] > 0
+    assert row["ratio"] == pytest.approx(row["gbps"] / row["memcpy_gbps"])
+    assert len(row["nixl_variants"]) == len(VARIANTS)
+    assert row["transport"] in row["nixl_variants"] and row["transport"].startswith("nixl:UCX ")
+    assert row["gbps"] == max(row["nixl_variants"].values())
