@@ -39,7 +39,7 @@ from kvtransfer import (
     new_session_secret,
 )
 from kvtransfer.bench import bench_loops
-from kvtransfer.bench.control import READY_PREFIX, die_with_parent
+from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
 from kvtransfer.bench.pattern import blocks_filled_with, blocks_match, fill_blocks, fill_sentinel, is_sentinel
 from kvtransfer.checksum import block_checksums
 from kvtransfer.session import RecvSession, SendSession
@@ -278,13 +278,8 @@ async def serve(args: argparse.Namespace) -> None:
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    if args.control_port:
-        router.bind(f"tcp://{args.host}:{args.control_port}")
-        control_port = args.control_port
-    else:
-        control_port = router.bind_to_random_port(f"tcp://{args.host}")
     info = {
-        "control": f"tcp://{args.host}:{control_port}",
+        "control": bind_router(router, args.host, args.control_port),
         "address": address,
         "backend": args.backend,
         "key": transport.key.hex(),
@@ -300,10 +295,13 @@ async def serve(args: argparse.Namespace) -> None:
     while True:
         await asyncio.wait({receiving, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if receiving.done():
-            identity, payload = receiving.result()
-            task = asyncio.ensure_future(answer(identity, json.loads(payload)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
+            parsed = parse_request(receiving.result())
+            if parsed is None:
+                log.warning("malformed control request dropped")
+            else:
+                task = asyncio.ensure_future(answer(*parsed))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
             receiving = asyncio.ensure_future(router.recv_multipart())
         if stopping.done():
             break

@@ -66,6 +66,29 @@ class AgentClient:
         self._socket.close()
 
 
+def bind_router(router: zmq.Socket[Any], host: str, port: int) -> str:
+    """Bind an agent's control ROUTER on `host:port` (0: OS-chosen); returns the endpoint peers dial."""
+    if port:
+        router.bind(f"tcp://{host}:{port}")
+    else:
+        port = router.bind_to_random_port(f"tcp://{host}")
+    return f"tcp://{host}:{port}"
+
+
+def parse_request(frames: list[bytes]) -> tuple[bytes, dict[str, Any]] | None:
+    """(routing id, request) from what an agent's ROUTER received, or None for anything that is not
+    one identity frame and a JSON object with an int `id` and a str `op` (dropped, never fatal)."""
+    if len(frames) != 2:
+        return None
+    try:
+        request = json.loads(frames[1])
+    except ValueError:  # not JSON (UnicodeDecodeError is a ValueError too)
+        return None
+    if not isinstance(request, dict) or not isinstance(request.get("id"), int):
+        return None
+    return (frames[0], request) if isinstance(request.get("op"), str) else None
+
+
 def die_with_parent() -> None:
     """Linux: get SIGKILL when the process that spawned us dies, so no child outlives its bench."""
     PR_SET_PDEATHSIG = 1

@@ -29,7 +29,7 @@ import torch
 import zmq
 
 from kvtransfer.bench.bench_loops import cpu_seconds, new_ring, percentiles_us, ring_checksums
-from kvtransfer.bench.control import READY_PREFIX, die_with_parent
+from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
 
 log = structlog.get_logger(__name__)
 INIT_AGENT = "NIXL_INIT_AGENT"
@@ -184,15 +184,17 @@ def serve(args: argparse.Namespace) -> None:
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    port = args.control_port or router.bind_to_random_port(f"tcp://{args.host}")
-    if args.control_port:
-        router.bind(f"tcp://{args.host}:{port}")
-    info = {"control": f"tcp://{args.host}:{port}", "address": agent.name, "key": "", "backend": "nixl"}
+    control = bind_router(router, args.host, args.control_port)
+    info = {"control": control, "address": agent.name, "key": "", "backend": "nixl"}
     print(READY_PREFIX + json.dumps(info), flush=True)
     try:
         while not agent.stopped:
-            identity, payload = router.recv_multipart()
-            router.send_multipart([identity, json.dumps(agent.handle(json.loads(payload))).encode()])
+            parsed = parse_request(router.recv_multipart())
+            if parsed is None:
+                log.warning("malformed control request dropped")
+                continue
+            identity, request = parsed
+            router.send_multipart([identity, json.dumps(agent.handle(request)).encode()])
     finally:
         agent._release()
         router.close()

@@ -121,3 +121,39 @@ def test_a_seeded_ring_holds_what_it_is_asked_for_and_every_buffer_differs() -> 
     again = new_ring(64 << 10, seed=7, ring_bytes=1 << 20)
     assert all(bool((a == b).all()) for a, b in zip(ring, again, strict=True)), "a seed must repeat"
     assert all(int(buf.sum()) == 0 for buf in new_ring(64 << 10, seed=None, ring_bytes=1 << 20))
+
+
+async def test_an_agent_drops_malformed_control_frames_and_keeps_serving(tmp_path: Path) -> None:
+    """Raw bytes, a non-object, a missing id/op, an extra frame: each dropped; a valid request sent
+    after them on the same connection (so handled after them) is answered."""
+    import asyncio
+
+    import zmq
+    import zmq.asyncio
+
+    args = [*runner.BACKEND_ARGS["tcp"], "--layout", json.dumps(runner.RAW_LAYOUT.to_dict())]
+    with (tmp_path / "agent.log").open("w") as log:
+        agent = spawn_agent([*args, "--num-blocks", "1"], log)
+    ctx = zmq.asyncio.Context()
+    stranger = ctx.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.connect(agent.control)
+    try:
+        for frames in (
+            [b"\xff\x00garbage"],
+            [b"[1, 2]"],
+            [b'{"op": "info"}'],
+            [b'{"id": 1}'],
+            [b"{}", b"{}"],
+        ):
+            await stranger.send_multipart(frames)
+        await stranger.send(json.dumps({"id": 7, "op": "info"}).encode())
+        reply = json.loads(await asyncio.wait_for(stranger.recv(), 30))
+        assert reply["id"] == 7 and reply["ok"] and reply["backend"] == "tcp"
+        assert agent.process.poll() is None
+    finally:
+        stranger.close()
+        ctx.term()
+        agent.process.kill()
+        agent.process.wait()
+    assert (tmp_path / "agent.log").read_text().count("malformed control request dropped") == 5
