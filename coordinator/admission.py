@@ -169,9 +169,16 @@ class Admission:
 
     # -- whole calls -----------------------------------------------------------------------------
     async def admit_generate(
-        self, request: serving_pb2.GenerateRequest, metadata: Metadata | None, time_remaining: float | None
+        self,
+        request: serving_pb2.GenerateRequest,
+        metadata: Metadata | None,
+        time_remaining: float | None,
+        principal: Principal | None = None,
     ) -> AdmittedRequest:
-        principal = self.authenticate(metadata)
+        """`principal`: the caller, when the door already ran `authenticate` (the HTTP door does,
+        before it reads the body); else the API key in `metadata` is checked here first."""
+        if principal is None:
+            principal = self.authenticate(metadata)
         self.check_model(request.model)
         params = self._params(request.sampling, request.stopping, request.output)
         request_id = _request_id(request.request_id)
@@ -192,9 +199,16 @@ class Admission:
         return self._finish(request, principal, request_id, params, ids, where, time_remaining)
 
     async def admit_chat(
-        self, request: serving_pb2.ChatRequest, metadata: Metadata | None, time_remaining: float | None
+        self,
+        request: serving_pb2.ChatRequest,
+        metadata: Metadata | None,
+        time_remaining: float | None,
+        principal: Principal | None = None,
     ) -> AdmittedRequest:
-        principal = self.authenticate(metadata)
+        """`principal`: the caller, when the door already ran `authenticate` (the HTTP door does,
+        before it reads the body); else the API key in `metadata` is checked here first."""
+        if principal is None:
+            principal = self.authenticate(metadata)
         self.check_model(request.model)
         params = self._params(request.sampling, request.stopping, request.output)
         request_id = _request_id(request.request_id)

@@ -34,6 +34,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from coordinator.admission import Admission, Metadata
+from coordinator.auth import Principal
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import RpcError, invalid
 from coordinator.http.errors import error_response, rpc_error_body, rpc_error_response
@@ -84,12 +85,12 @@ class OpenAIRoutes:
             exception_handlers={HTTPException: _http_exception, Exception: _internal_error},
         )
 
-    def _authenticate(self, request: Request) -> Metadata:
-        """The door's one API-key check (`Admission.authenticate`, as gRPC); returns the credentials
-        admission takes with the request. UNAUTHENTICATED before the body is read."""
+    def _authenticate(self, request: Request) -> tuple[Metadata, Principal]:
+        """The door's one API-key check (`Admission.authenticate`, as gRPC): the credentials and the
+        caller they prove, which admission takes with the request. UNAUTHENTICATED before the body
+        is read."""
         metadata = credentials(request)
-        self.admission.authenticate(metadata)
-        return metadata
+        return metadata, self.admission.authenticate(metadata)
 
     # -- probes and models ---------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
@@ -131,15 +132,17 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, *, chat: bool) -> Response:
         parsed: OpenAIRequest | None = None
         try:
-            metadata = self._authenticate(request)
+            metadata, principal = self._authenticate(request)
             remaining = _deadline(request)  # from arrival, like a gRPC deadline
             body = await self._body(request)
             request_id = request.headers.get("x-request-id", "")
             parsed = parse_chat(body, request_id) if chat else parse_completion(body, request_id)
             if isinstance(parsed.message, serving_pb2.ChatRequest):
-                admitted = await self.admission.admit_chat(parsed.message, metadata, remaining())
+                admitted = await self.admission.admit_chat(parsed.message, metadata, remaining(), principal)
             else:
-                admitted = await self.admission.admit_generate(parsed.message, metadata, remaining())
+                admitted = await self.admission.admit_generate(
+                    parsed.message, metadata, remaining(), principal
+                )
             record = self.dispatcher.submit(admitted)
         except RpcError as err:
             return self._reject(err, parsed)

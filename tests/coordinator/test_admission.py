@@ -221,3 +221,14 @@ async def test_chat_renders_the_template_without_adding_special_tokens_twice(adm
     assert admitted.prompt_token_ids.count(tokenizer.bos_token_id) == 1
     assert admitted.params.seed == 42 and admitted.params.stop == ["\n"]
     assert admitted.execution_request(1, 0).sampling.top_k == 0  # -1 and 0 both mean disabled
+
+
+async def test_a_door_that_already_authenticated_passes_the_principal_and_is_not_checked_again(
+    admission: Admission,
+) -> None:
+    """The HTTP door checks the key before it reads the body and hands admission the principal."""
+    caller = admission.authenticate(KEY)
+    admitted = await admission.admit_generate(gen(), [], None, caller)
+    assert admitted.principal == caller
+    chat = pb.ChatRequest(messages=[pb.ChatMessage(role="user", content="hi")])
+    assert (await admission.admit_chat(chat, [], None, caller)).principal == caller
