@@ -37,6 +37,7 @@ from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport, ema
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError, new_session_secret
+from kvtransfer.lanes import transport_label
 from splitserve import wire
 from splitserve.control import Received
 from splitserve.v1 import control_pb2, serving_pb2
@@ -210,10 +211,16 @@ class DecodeWorker(WorkerRole):
         r.release_session(r.reserved_blocks)  # kvtransfer releases only on abort: DONE's go here
         self.rearm_lease(r, None)
         assert self.plane is not None
-        self.metrics.transfer_bytes.labels("recv").inc(len(r.reserved_blocks) * self.plane.block_bytes)
-        self.metrics.transfer_chunks.labels("recv").inc(len(r.chunks))
+        transport = transport_label(session.peer.transports)
+        self.metrics.transfer_bytes.labels("recv", transport).inc(
+            len(r.reserved_blocks) * self.plane.block_bytes
+        )
+        self.metrics.transfer_chunks.labels("recv", transport).inc(len(r.chunks))
         if r.first_chunk_at is not None:
-            self.metrics.transfer_seconds.labels("recv").observe(time.monotonic() - r.first_chunk_at)
+            self.metrics.transfer_seconds.labels("recv", transport).observe(
+                time.monotonic() - r.first_chunk_at
+            )
+        r.log.info("kv received", blocks=len(r.reserved_blocks), chunks=len(r.chunks), transport=transport)
         await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
         r.running, r.first_token_sent, r.kv_transfer_ms = True, True, r.kv_done.kv_transfer_ms
         self.kv_transfer_ms = ema(self.kv_transfer_ms, r.kv_done.kv_transfer_ms)

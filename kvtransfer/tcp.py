@@ -274,7 +274,7 @@ class TcpTransport(Transport):
         except TransportError:
             sock.close()
             raise
-        log.info("kv peer connected", backend="tcp", peer=address)
+        log.info("kv peer connected", backend="tcp", peer=address, transport="tcp")
         return TcpPeer(address, sock)
 
     async def close(self) -> None:

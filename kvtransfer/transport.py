@@ -27,6 +27,7 @@ import torch
 
 from kvtransfer import hello
 from kvtransfer.hello import HelloChannel, HelloRefused
+from kvtransfer.lanes import transport_label
 from kvtransfer.layout import KVLayout
 from splitserve.logs import RateLimitedLog
 
@@ -169,7 +170,14 @@ class Transport(ABC):
     def _register_accepted(self, peer: Peer) -> None:
         if peer.address not in self._peers or self._peers[peer.address].lost:
             self._peers[peer.address] = peer
-        log.info("kv peer accepted", backend=self.backend, peer=peer.address, transports=peer.transports)
+        label = transport_label(peer.transports)
+        log.info(
+            "kv peer accepted",
+            backend=self.backend,
+            peer=peer.address,
+            transports=peer.transports,
+            transport=label,
+        )
 
     # -- the hello exchange, identical for every backend -------------------------------------------
 

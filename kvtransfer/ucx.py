@@ -36,6 +36,7 @@ import torch
 
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
+from kvtransfer.lanes import transport_label
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes
 
@@ -376,7 +377,13 @@ class UcxTransport(Transport):
             await _close_quietly(endpoint)
             raise
         peer = UcxPeer(address, endpoint, self._lib, self._loop, self._spinner)
-        log.info("kv peer connected", backend="ucx", peer=address, transports=peer.transports)
+        log.info(
+            "kv peer connected",
+            backend="ucx",
+            peer=address,
+            transports=peer.transports,
+            transport=transport_label(peer.transports),
+        )
         return peer
 
     async def close(self) -> None:

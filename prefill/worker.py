@@ -30,6 +30,7 @@ from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import SendSession, SessionAborted, TransportError
+from kvtransfer.lanes import transport_label
 from prefill.job import PrefillJob
 from splitserve import wire
 from splitserve.control import Received
@@ -193,8 +194,10 @@ class PrefillWorker(WorkerRole):
             await self.fail(job, PEER_FAILED, f"KV transfer failed: {exc}")
             return
         sent_blocks = sum(m.num_blocks for m in job.messages[: job.sent_messages])
-        self.metrics.transfer_bytes.labels("send").inc(sent_blocks * self.plane.block_bytes)
-        self.metrics.transfer_seconds.labels("send").observe(time.monotonic() - started)
+        transport, seconds = transport_label(peer.transports), time.monotonic() - started
+        self.metrics.transfer_bytes.labels("send", transport).inc(sent_blocks * self.plane.block_bytes)
+        self.metrics.transfer_seconds.labels("send", transport).observe(seconds)
+        job.log.info("kv sent", blocks=sent_blocks, seconds=round(seconds, 6), transport=transport)
         assert job.token is not None and job.sampled_at is not None
         done = control_pb2.KVDone(
             rid=job.rid,
@@ -227,7 +230,7 @@ class PrefillWorker(WorkerRole):
             return
         if not await self.to_peer(job.decode, kv_chunk_ready=chunk):
             raise TransportError("decode worker not reading its control socket")
-        self.metrics.transfer_chunks.labels("send").inc()
+        self.metrics.transfer_chunks.labels("send", transport_label(session.peer.transports)).inc()
         await session.send(upto)  # waits for delivery; an abort ends it with SessionAborted
 
     def _stop_shipping(self, job: PrefillJob, outcome: str) -> None:

@@ -49,20 +49,25 @@ class WorkerMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        # `transport`: what carried the bytes (kvtransfer.lanes.transport_label: ucx:cma, ucx:tcp,
+        # ucx:tcp-lo, tcp, ...), so a silent fallback shows on a dashboard.
         self.transfer_bytes = Counter(
-            "splitserve_worker_kv_transfer_bytes", "KV bytes moved, by direction", ["direction"], registry=r
+            "splitserve_worker_kv_transfer_bytes",
+            "KV bytes moved, by direction and transport",
+            ["direction", "transport"],
+            registry=r,
         )
         self.transfer_seconds = Histogram(
             "splitserve_worker_kv_transfer_seconds",
-            "KV transfer time per request, first send posted to last completion",
-            ["direction"],
+            "KV transfer time per request, first send posted to last completion, by direction and transport",
+            ["direction", "transport"],
             buckets=_TRANSFER_BUCKETS,
             registry=r,
         )
         self.transfer_chunks = Counter(
             "splitserve_worker_kv_transfer_chunks",
-            "KV chunks (KVChunkReady) moved, by direction",
-            ["direction"],
+            "KV chunks (KVChunkReady) moved, by direction and transport",
+            ["direction", "transport"],
             registry=r,
         )
         self.kv_connections_refused = Counter(

@@ -279,7 +279,7 @@ async def serve(args: argparse.Namespace) -> None:
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
     info = {
-        "control": bind_router(router, args.host, args.control_port),
+        "control": bind_router(router, args.host, args.control_port, args.control_endpoint),
         "address": address,
         "backend": args.backend,
         "key": transport.key.hex(),
@@ -320,6 +320,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="transport port (0: OS-chosen)")
     p.add_argument("--control-port", type=int, default=0, help="control port (0: OS-chosen)")
+    p.add_argument("--control-endpoint", default=None, help="bind control here instead (ipc://PATH)")
     p.add_argument("--fragment", type=int, default=None, help="shuffle the free list with this seed")
     p.add_argument("--device", default="cpu")
     p.add_argument("--progress-mode", default=UcxSettings().progress_mode)

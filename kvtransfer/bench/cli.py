@@ -5,6 +5,7 @@
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
     kvbench run --backend ucx,tcp,nixl --busy 2           # beside NIXL, 2 busy loops running
+    kvbench run --backend ucx,tcp,nixl --netns --mtu 1500 # two "hosts": namespaces + a veth pair (root)
 
 Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
 one row per point with its ratio to it. Exits 1 when any verification failed.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import shlex
 import sys
@@ -22,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kvtransfer.bench import agent, nixl_sweep, report, runner
+from kvtransfer.bench import agent, netns, nixl_sweep, report, runner
 from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
 from kvtransfer.bench.busy import BusyLoops
 from kvtransfer.bench.report import parse_size, parse_tokens
@@ -86,6 +88,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="NIXL variants the nixl row takes the best of (+thread: NIXL's progress thread on)",
     )
     run.add_argument(
+        "--netns",
+        action="store_true",
+        help="run the agents in two network namespaces joined by a veth pair, with separate IPC/PID "
+        "namespaces (no shared memory, no CMA: two hosts); needs root",
+    )
+    run.add_argument("--mtu", type=int, default=1500, help="the veth pair's MTU with --netns (9000: jumbo)")
+    run.add_argument(
         "--device", default="cpu", help="where both agents' buffers live (cuda: cuda_ipc, d2d baseline)"
     )
     run.add_argument("--agent-log", type=Path, default=Path(tempfile.gettempdir()) / "kvbench-agents.log")
@@ -137,7 +146,15 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         if why:
             print(f"nixl: skipped ({why})", file=sys.stderr)
             cfg.backends = [b for b in cfg.backends if b != "nixl"]
-    with BusyLoops(cfg.busy) as busy:
+    if args.netns:
+        why = netns.netns_missing() or ("--netns and --peer exclude each other" if cfg.peer else None)
+        if why:
+            raise SystemExit(f"--netns: {why}")
+    with contextlib.ExitStack() as stack:
+        if args.netns:
+            cfg.netns = stack.enter_context(netns.NetnsPair(args.mtu))
+            print(f"agents in namespaces {sorted(cfg.netns.names.values())}, {cfg.link}", file=sys.stderr)
+        busy = stack.enter_context(BusyLoops(cfg.busy))
         if cfg.busy:
             print(f"busy loops running beside the agents: pids {busy.pids}", file=sys.stderr)
         return await _sweep(cfg, args)

@@ -66,8 +66,12 @@ class AgentClient:
         self._socket.close()
 
 
-def bind_router(router: zmq.Socket[Any], host: str, port: int) -> str:
-    """Bind an agent's control ROUTER on `host:port` (0: OS-chosen); returns the endpoint peers dial."""
+def bind_router(router: zmq.Socket[Any], host: str, port: int, endpoint: str | None = None) -> str:
+    """Bind an agent's control ROUTER on `host:port` (0: OS-chosen), or on `endpoint` when given (an
+    ipc:// path: the netns mode); returns the endpoint peers dial."""
+    if endpoint:
+        router.bind(endpoint)
+        return endpoint
     if port:
         router.bind(f"tcp://{host}:{port}")
     else:
@@ -93,6 +97,14 @@ def die_with_parent() -> None:
     """Linux: get SIGKILL when the process that spawned us dies, so no child outlives its bench."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _prepare_child(cpu: int | None, wrapped: bool) -> None:
+    """In the forked child before exec: pin to `cpu`; a wrapper gets SIGKILL when we die."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    if wrapped:
+        die_with_parent()
 
 
 @dataclass
@@ -130,17 +142,19 @@ def spawn_agent(
     timeout: float = 60.0,
     cpu: int | None = None,
     module: str = "kvtransfer.bench.agent",
+    wrap: Sequence[str] = (),
 ) -> SpawnedAgent:
     """Start `python -m MODULE ARGS` (an agent) and wait for its ready line on stdout.
 
     The agent's logs (stderr) go to `log`, or to our stderr. `cpu`: pin the agent (all its threads)
-    to that core."""
+    to that core. `wrap`: a command prefix (`netns.NetnsPair.wrap`); it dies with us, and the agent
+    with it."""
     process = subprocess.Popen(
-        [sys.executable, "-m", module, *args, "--die-with-parent"],
+        [*wrap, sys.executable, "-m", module, *args, "--die-with-parent"],
         stdout=subprocess.PIPE,
         stderr=log,
         text=True,
-        preexec_fn=None if cpu is None else functools.partial(os.sched_setaffinity, 0, {cpu}),
+        preexec_fn=functools.partial(_prepare_child, cpu, bool(wrap)) if cpu is not None or wrap else None,
     )
     assert process.stdout is not None
     # Wait (protects an invariant): nobody may talk to the agent before it listens. Libraries may

@@ -184,7 +184,7 @@ def serve(args: argparse.Namespace) -> None:
     context = zmq.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
-    control = bind_router(router, args.host, args.control_port)
+    control = bind_router(router, args.host, args.control_port, args.control_endpoint)
     info = {"control": control, "address": agent.name, "key": "", "backend": "nixl"}
     print(READY_PREFIX + json.dumps(info), flush=True)
     try:
@@ -206,6 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--progress-thread", action="store_true", help="NIXL's progress thread on")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--control-port", type=int, default=0)
+    p.add_argument("--control-endpoint", default=None, help="bind control here instead (ipc://PATH)")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the spawning process dies")
     args = p.parse_args(argv)
     if args.die_with_parent:

@@ -43,7 +43,10 @@ async def _start(cfg: BenchConfig, thread: bool) -> Agents:
     args = ["--progress-thread"] if thread else []
     cpus = agent_cpus() if cfg.pin_agents else [None, None]
     module = "kvtransfer.bench.nixl_agent"
-    spawned = [spawn_agent(args, cfg.agent_log, cpu=cpu, module=module) for cpu in cpus]
+    spawned = []
+    for side, cpu in zip("ab", cpus, strict=True):
+        extra, wrap = cfg.placement(side)
+        spawned.append(spawn_agent([*args, *extra], cfg.agent_log, cpu=cpu, module=module, wrap=wrap))
     recv, send = AgentClient(spawned[0].control), AgentClient(spawned[1].control)
     agents = Agents(recv, send, spawned[0].address, spawned[1].address, 0.0, "nixl:UCX", spawned)
     try:

@@ -28,6 +28,7 @@ UNITS = {
 
 COLUMNS = [
     ("busy", "busy", "{}"),
+    ("link", "link", "{}"),
     ("backend", "backend", "{}"),
     ("size", "size", "{}"),
     ("depth", "depth", "{}"),

@@ -21,6 +21,7 @@ from typing import IO, Any
 from kvtransfer import KVLayout
 from kvtransfer.bench.bench_loops import default_ring_bytes
 from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
+from kvtransfer.bench.netns import NetnsPair
 from kvtransfer.bench.report import Progress, Row, format_size
 
 # Variants of `--backend`: the agent arguments each one means.
@@ -55,6 +56,20 @@ class BenchConfig:
     busy: int = 0  # busy-loop processes running beside the agents (`--busy`)
     nixl_variants: list[str] = field(default_factory=lambda: ["read", "write", "read+thread", "write+thread"])
     device: str = "cpu"  # where both agents keep their rings and caches (cuda: cuda_ipc on one host)
+    netns: NetnsPair | None = None  # `--netns`: receiver in its namespace "a", sender in "b"
+
+    @property
+    def link(self) -> str:
+        """The link between the agents, as rows record it."""
+        if self.netns is not None:
+            return self.netns.link
+        return "remote peer" if self.peer else "loopback"
+
+    def placement(self, side: str) -> tuple[list[str], list[str]]:
+        """(extra agent arguments, command prefix) of the agent on `side` ("a" receiver, "b" sender)."""
+        if self.netns is None:
+            return [], []
+        return self.netns.agent_args(side), self.netns.wrap(side)
 
     def agent_args(self, backend: str) -> list[str]:
         args = list(BACKEND_ARGS.get(backend, []))
@@ -99,11 +114,13 @@ async def start_agents(cfg: BenchConfig, backend: str, layout: KVLayout, num_blo
     spawned = []
     cpus = agent_cpus() if cfg.pin_agents else [None, None]
     if cfg.peer is None:
-        spawned.append(spawn_agent([*args, "--fragment", "1"], cfg.agent_log, cpu=cpus[0]))
+        extra, wrap = cfg.placement("a")
+        spawned.append(spawn_agent([*args, *extra, "--fragment", "1"], cfg.agent_log, cpu=cpus[0], wrap=wrap))
         recv = AgentClient(spawned[0].control)
     else:
         recv = AgentClient(cfg.peer)
-    spawned.append(spawn_agent([*args, "--fragment", "2"], cfg.agent_log, cpu=cpus[1]))
+    extra, wrap = cfg.placement("b")
+    spawned.append(spawn_agent([*args, *extra, "--fragment", "2"], cfg.agent_log, cpu=cpus[1], wrap=wrap))
     send = AgentClient(spawned[-1].control)
     receiver = await recv.call("info")
     receiver_address = receiver["address"]
@@ -237,6 +254,7 @@ def _inputs(cfg: BenchConfig, backend: str) -> Row:
         "host": os.uname().nodename,
         "load1": os.getloadavg()[0],  # other work on a shared machine skews absolute numbers
         "busy": cfg.busy,
+        "link": cfg.link,
     }
 
 

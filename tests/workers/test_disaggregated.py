@@ -103,7 +103,7 @@ async def test_prefill_then_decode_equals_greedy_and_frees_both_pools(
     for rid, prompt in prompts.items():
         assert got[rid] == (greedy(prompt, 8), LENGTH)
     chunks = d.metrics.registry.get_sample_value(
-        "splitserve_worker_kv_transfer_chunks_total", {"direction": "recv"}
+        "splitserve_worker_kv_transfer_chunks_total", {"direction": "recv", "transport": "tcp"}
     )
     assert chunks is not None and chunks >= 4, "no request streamed its KV in more than one chunk"
     await assert_quiescent(cluster, p, d)
@@ -291,7 +291,7 @@ async def test_kv_streams_chunk_by_chunk_while_the_prefill_computes(
     got = await coord.collect({1})
     assert got[1] == (greedy(prompt, 4), LENGTH)
     chunks = d.metrics.registry.get_sample_value(
-        "splitserve_worker_kv_transfer_chunks_total", {"direction": "recv"}
+        "splitserve_worker_kv_transfer_chunks_total", {"direction": "recv", "transport": "tcp"}
     )
     assert chunks is not None and chunks >= 3, f"the KV came in {chunks} chunk(s), not streamed"
     await assert_quiescent(cluster, p, d)
