@@ -114,6 +114,13 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         default=default["local_prefill_max_tokens"],
         help="conditional: longest uncached prompt a decode worker prefills itself",
     )
+    parser.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=default["tpot_slo_ms"],
+        help="conditional: prefill on a decode worker only while its running requests' projected TPOT "
+        "stays within this (ms; 0 = off: TTFT alone decides)",
+    )
 
 
 def _add_key_flags(parser: argparse.ArgumentParser, kind: str, what: str) -> None:
@@ -200,7 +207,7 @@ def _config(
         control_key=args.control_key,
         control_authorized_keys=args.control_authorized_keys,
         insecure_control_plane=bool(args.insecure_control_plane),
-        routing=RoutingPolicy(args.disaggregation, args.local_prefill_max_tokens),
+        routing=RoutingPolicy(args.disaggregation, args.local_prefill_max_tokens, args.tpot_slo_ms),
     )
 
 
