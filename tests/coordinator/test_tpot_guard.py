@@ -8,9 +8,14 @@ from collections.abc import Sequence
 
 import pytest
 
+from coordinator.admission import AdmittedRequest
+from coordinator.dispatch import Dispatcher
+from coordinator.metrics import CoordinatorMetrics
+from coordinator.request_table import RequestTable
 from coordinator.router import LOCAL, REMOTE, Placement, RunningDecode
 from coordinator.routing_policy import RoutingPolicy
 from coordinator.served_model import ServedModel
+from engine.sampling_params import SamplingParams
 from tests.coordinator.conftest import Pool
 
 TARGET_MS = 80.0
@@ -104,3 +109,25 @@ def test_over_the_target_with_no_prefill_worker_waits(served_model: ServedModel)
 def test_a_bad_target_names_the_flag() -> None:
     with pytest.raises(ValueError, match="--tpot-slo-ms"):
         RoutingPolicy("conditional", tpot_slo_ms=-1.0)
+
+
+def test_the_dispatcher_counts_the_requests_it_placed_on_d(served_model: ServedModel) -> None:
+    """Through the dispatcher: the first short prompt goes local (nothing decodes on D yet); the
+    second would add its own and the first's prefill (400 tokens x 2 ms) to D's 70 ms steps, spread
+    over the first's 63 gaps: 82.7 ms, over the 80 ms target, so it goes to P."""
+    pool = guarded_pool(served_model, p_queued=1_000_000)  # 50 s of queue on P
+    pool.report("d", us_per_token=2000.0, decode_step_ms=70.0, **D_LOAD)
+    metrics = CoordinatorMetrics()
+    dispatcher = Dispatcher(
+        RequestTable(metrics, rid_start=0), pool.registry, pool.router, metrics, lambda *_: None, max_queue=4
+    )
+    prompts = [[5 + (i + k) % 900 for i in range(200)] for k in (0, 1)]
+    first, second = (
+        dispatcher.submit(AdmittedRequest(f"r{k}", served_model, p, SamplingParams(max_tokens=64, seed=1)))
+        for k, p in enumerate(prompts)
+    )
+    assert first.stats.routing is not None and first.stats.routing.path == LOCAL
+    assert first.stats.routing.decode_running == 0
+    routing = second.stats.routing
+    assert routing is not None and routing.path == REMOTE and routing.decode_running == 1
+    assert routing.local_tpot_ms == pytest.approx(70.0 + 400 * 2.0 / 63)
