@@ -182,6 +182,8 @@ class PrefillWorker(WorkerRole):
         self.rearm_lease(job, None)
         if job.started is not None:  # else on_step says so after its first step
             await self._progress_to_decode(job)
+            if not self.is_current(job):
+                return  # D stopped reading: the job already failed
         job.shipping = self.spawn(self._ship, job)
 
     async def _progress_to_decode(self, job: PrefillJob) -> None:
