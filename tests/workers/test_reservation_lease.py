@@ -10,7 +10,7 @@ import random
 from splitserve import wire
 from splitserve.v1 import control_pb2
 from tests.workers.conftest import Cluster, endpoint, execution_request
-from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt
+from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt, wait_until
 
 LEASE_MS = 100
 LONG, SHORT = 1200, 8  # P computes 8 tokens a step: the long prompt holds its queue for 150 steps
@@ -60,3 +60,26 @@ async def test_a_reservation_p_never_starts_is_released_after_the_queue_lease(cl
     assert (env.abort.rid, env.abort.reason) == (7, control_pb2.ABORT_REASON_LEASE_EXPIRED)
     assert "--queue-lease-ms" in env.abort.message
     await assert_quiescent(cluster, p, d)
+
+
+async def test_p_lost_mid_queue_frees_ds_blocks_without_waiting_for_the_queue_lease(
+    cluster: Cluster,
+) -> None:
+    """P's transport dies (as with a killed process) while request 2 waits in its queue: D's
+    reservations end at once (the session's peer loss, or P's Abort), not after --queue-lease-ms."""
+    p = await cluster.start("prefill", "p0", max_num_batched_tokens=8, num_blocks=400)
+    d = await cluster.start("decode", "d0", queue_lease_ms=120_000, num_blocks=400)
+    coord, rng = cluster.coordinator, random.Random(5)
+    identity = p.engine.loaded.identity
+    for rid, n in ((1, LONG), (2, SHORT)):
+        await dispatch(coord, p, d, execution_request(rid, random_prompt(rng, n), 2, identity=identity))
+    assert d.role is not None and p.transfer is not None
+    await wait_until(lambda: 2 in d.role.records, "D to reserve for request 2")  # type: ignore[union-attr]
+    await p.transfer.transport.close()
+    aborted: set[int] = set()
+    while aborted != {1, 2}:  # from D (the session's peer loss) or P (its sends failed), first wins
+        _, env = await coord.expect("abort")
+        assert env.abort.reason == control_pb2.ABORT_REASON_PEER_FAILED
+        aborted.add(env.abort.rid)
+    await wait_until(lambda: not d.role.records, "D to release both")  # type: ignore[union-attr]
+    await coord.assert_pool_clean("d0")
