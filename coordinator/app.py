@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -21,7 +20,8 @@ from grpc_reflection.v1alpha import reflection
 
 from coordinator.admission import Admission
 from coordinator.auth import Authenticator, KeyRing
-from coordinator.chat import TemplateLimits, TokenizerThread
+from coordinator.chat import TokenizerThread
+from coordinator.config import CoordinatorConfig
 from coordinator.control_loop import CoordinatorControl, Outbox
 from coordinator.dispatch import Dispatcher
 from coordinator.errors import unavailable
@@ -30,11 +30,10 @@ from coordinator.http.server import HttpServer
 from coordinator.metrics import CoordinatorMetrics, serve_metrics
 from coordinator.request_table import EndEvent, RequestTable
 from coordinator.router import Router
-from coordinator.routing_policy import RoutingPolicy
 from coordinator.rpc_handlers import add_service
 from coordinator.served_model import ServedModel, load_served_model
 from coordinator.server import AdminServicer, InferenceServicer, ModelServicer
-from coordinator.tls import ServerTls, check_plaintext_bind, server_tls
+from coordinator.tls import ServerTls
 from coordinator.workers import WorkerRegistry
 from splitserve.control import ControlSocket, CurveKeys
 from splitserve.control_auth import (
@@ -54,51 +53,6 @@ SERVICE_NAMES = tuple(
 )
 # gRPC's own receive limit sits above the request byte limit, so only grossly oversized calls hit it
 _GRPC_RECEIVE_FACTOR = 4
-
-
-@dataclass(slots=True)
-class CoordinatorConfig:
-    """Everything `splitserve coordinator` takes on its command line (see coordinator.main)."""
-
-    model: str
-    served_model_name: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 50051
-    control_host: str = "127.0.0.1"
-    control_port: int = 5555
-    metrics_port: int = 9100
-    http_port: int = 0  # the CLI's --http-port defaults to 8000; in-process coordinators take a free port
-    api_keys: tuple[str, ...] = ()  # entries: a key or `sha256:<hex>`; none = one anonymous principal
-    admin_keys: tuple[str, ...] = ()  # none = AdminService disabled
-    admin_host: str = "127.0.0.1"
-    admin_port: int | None = None  # None = AdminService on the main listener
-    tls_cert: str | None = None  # PEM chain; with tls_key turns TLS on for the gRPC listeners
-    tls_key: str | None = None
-    tls_client_ca: str | None = None  # mTLS: clients must present a certificate this CA signed
-    insecure_grpc: bool = False  # allow plaintext on a non-loopback host (logged as a warning)
-    health_host: str = "127.0.0.1"
-    health_port: int | None = None  # a plaintext listener serving grpc.health.v1 only (for probes)
-    templates: TemplateLimits = field(default_factory=TemplateLimits)
-    max_queue: int = 256
-    max_request_bytes: int = 1 << 20
-    heartbeat_interval_ms: int = 500
-    heartbeat_timeout_ms: int = 3000
-    drain_timeout: float = 30.0
-    control_key: str = ""  # this coordinator's .key_secret file (CURVE server key)
-    control_authorized_keys: str = ""  # dir of worker public keys, each file named for its role
-    insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
-    routing: RoutingPolicy = field(default_factory=RoutingPolicy)  # --disaggregation and its limit
-
-    def __post_init__(self) -> None:
-        """ValueError naming the flag to pass when the TLS flags are inconsistent or a plaintext
-        listener would bind a non-loopback host."""
-        tls = self.tls()
-        check_plaintext_bind(self.host, tls, self.insecure_grpc, "--insecure-grpc")
-        if self.admin_port is not None:
-            check_plaintext_bind(self.admin_host, tls, self.insecure_grpc, "--insecure-grpc")
-
-    def tls(self) -> ServerTls | None:
-        return server_tls(self.tls_cert, self.tls_key, self.tls_client_ca)
 
 
 class Coordinator:

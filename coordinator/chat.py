@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import json_format
 
+from coordinator.config import TemplateLimits
 from coordinator.errors import RpcError, clip, invalid
 from coordinator.render_guard import RenderTimeout, run_bounded
 from splitserve.v1 import serving_pb2
@@ -47,16 +48,6 @@ _RESERVED_KWARGS = frozenset(
 )  # fmt: skip
 # the event loop stops waiting this long after the bound (the guard needs one template line to fire)
 _WAIT_GRACE_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class TemplateLimits:
-    """The operator's bounds on chat-template rendering (coordinator flags)."""
-
-    allow_request_template: bool = False  # --allow-request-chat-template
-    render_timeout_s: float = 2.0  # --chat-template-timeout-ms
-    max_rendered_chars: int = 1 << 20  # --max-rendered-chars
-    render_threads: int = 2  # --chat-template-threads
 
 
 def deadline_exceeded(what: str) -> RpcError:

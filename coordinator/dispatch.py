@@ -37,7 +37,7 @@ from coordinator.admission_queue import AdmissionQueue
 from coordinator.errors import RpcError, invalid, unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import EndEvent, RequestRecord, RequestState, RequestTable
-from coordinator.router import Placement, Router
+from coordinator.router import Placement, Router, RunningDecode
 from coordinator.workers import WorkerRegistry
 from splitserve import wire
 from splitserve.control import envelope
@@ -117,7 +117,7 @@ class Dispatcher:
             if blocked > BACKFILL_SCAN:
                 break
             sequence = record.admitted.prompt_token_ids + record.output_token_ids
-            placement = self.router.place(sequence)
+            placement = self.router.place(sequence, self._running_decodes)
             if placement is not None:
                 self.queue.remove(record)
                 self._dispatch(record, placement)
@@ -149,6 +149,16 @@ class Dispatcher:
             largest_pool_blocks=blocks,
             block_size=size,
         )
+
+    def _running_decodes(self, decode_id: str) -> list[RunningDecode]:
+        """The requests placed to decode on `decode_id` (output tokens left, max_tokens), for the
+        router's TPOT projection."""
+        out = []
+        for record in self.table.records():
+            if record.decode_worker == decode_id and record.state is RequestState.RUNNING:
+                total = record.admitted.params.max_tokens
+                out.append(RunningDecode(max(0, total - len(record.output_token_ids)), total))
+        return out
 
     def _num_tokens(self, record: RequestRecord) -> int:
         """Tokens of the sequence a decode worker must hold: as dispatched to the current

@@ -9,40 +9,48 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
+from coordinator.config import CLI_HTTP_PORT, CoordinatorConfig, TemplateLimits
 from engine.model_dir import MODEL_HELP
+from engine.worker.settings import field_defaults
 from splitserve.control_flags import add_control_security_arguments
-
-if TYPE_CHECKING:
-    from coordinator.app import CoordinatorConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags; every default is read from CoordinatorConfig (and TemplateLimits, RoutingPolicy)."""
+    c, t = field_defaults(CoordinatorConfig), field_defaults(TemplateLimits)
     parser.add_argument("--model", required=True, help=MODEL_HELP)
     parser.add_argument(
-        "--served-model-name", default=None, help="name clients use (default: dir name, 'tiny')"
+        "--served-model-name",
+        default=c["served_model_name"],
+        help="name clients use (default: dir name, 'tiny')",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="gRPC, HTTP and metrics listen host")
-    parser.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free)")
-    parser.add_argument("--control-host", default="127.0.0.1", help="ZeroMQ control listen host")
-    parser.add_argument("--control-port", type=int, default=5555, help="ZeroMQ control port (0 = any free)")
+    parser.add_argument("--host", default=c["host"], help="gRPC, HTTP and metrics listen host")
+    parser.add_argument("--port", type=int, default=c["port"], help="gRPC port (0 = any free)")
+    parser.add_argument("--control-host", default=c["control_host"], help="ZeroMQ control listen host")
     parser.add_argument(
-        "--metrics-port", type=int, default=9100, help="Prometheus /metrics port (0 = any free)"
+        "--control-port", type=int, default=c["control_port"], help="ZeroMQ control port (0 = any free)"
+    )
+    parser.add_argument(
+        "--metrics-port", type=int, default=c["metrics_port"], help="Prometheus /metrics port (0 = any free)"
     )
     _add_key_flags(parser, "api", "accepted API key(s); none = every caller is one anonymous principal")
     _add_key_flags(parser, "admin", "AdminService key(s); none = AdminService disabled")
     parser.add_argument(
         "--admin-port",
         type=int,
-        default=None,
+        default=c["admin_port"],
         help="serve AdminService on its own listener (0 = any free) instead of the main gRPC port",
     )
-    parser.add_argument("--admin-host", default="127.0.0.1", help="listen host of --admin-port")
-    parser.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve gRPC over TLS")
-    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--admin-host", default=c["admin_host"], help="listen host of --admin-port")
     parser.add_argument(
-        "--tls-client-ca", default=None, help="PEM CA bundle: require client certificates it signed (mTLS)"
+        "--tls-cert", default=c["tls_cert"], help="PEM certificate chain: serve gRPC over TLS"
+    )
+    parser.add_argument("--tls-key", default=c["tls_key"], help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=c["tls_client_ca"],
+        help="PEM CA bundle: require client certificates it signed (mTLS)",
     )
     parser.add_argument(
         "--insecure-grpc",
@@ -52,10 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--health-port",
         type=int,
-        default=None,
+        default=c["health_port"],
         help="also serve grpc.health.v1 alone, plaintext, on this port (kubelet gRPC probes; 0 = any)",
     )
-    parser.add_argument("--health-host", default="127.0.0.1", help="listen host of --health-port")
+    parser.add_argument("--health-host", default=c["health_host"], help="listen host of --health-port")
     parser.add_argument(
         "--allow-request-chat-template",
         action="store_true",
@@ -64,43 +72,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-template-timeout-ms",
         type=float,
-        default=2000.0,
+        default=t["render_timeout_s"] * 1e3,
         help="render time limit of one chat template (the call's deadline applies too)",
     )
     parser.add_argument(
-        "--max-rendered-chars", type=int, default=1 << 20, help="largest rendered chat prompt, in characters"
+        "--max-rendered-chars",
+        type=int,
+        default=t["max_rendered_chars"],
+        help="largest rendered chat prompt, in characters",
     )
     parser.add_argument(
-        "--chat-template-threads", type=int, default=2, help="threads rendering chat templates concurrently"
+        "--chat-template-threads",
+        type=int,
+        default=t["render_threads"],
+        help="threads rendering chat templates concurrently",
     )
     parser.add_argument(
-        "--http-port", type=int, default=8000, help="OpenAI-compatible HTTP port (0 = any free)"
+        "--http-port", type=int, default=CLI_HTTP_PORT, help="OpenAI-compatible HTTP port (0 = any free)"
     )
     _add_routing_flags(parser)
-    parser.add_argument("--max-queue", type=int, default=256, help="admission queue bound")
-    parser.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest accepted request")
-    parser.add_argument("--heartbeat-interval-ms", type=int, default=500, help="worker heartbeat period")
+    parser.add_argument("--max-queue", type=int, default=c["max_queue"], help="admission queue bound")
     parser.add_argument(
-        "--heartbeat-timeout-ms", type=int, default=3000, help="silence after which a worker is stale"
+        "--max-request-bytes", type=int, default=c["max_request_bytes"], help="largest accepted request"
     )
     parser.add_argument(
-        "--drain-timeout", type=float, default=30.0, help="seconds to finish in-flight work on SIGTERM"
+        "--heartbeat-interval-ms",
+        type=int,
+        default=c["heartbeat_interval_ms"],
+        help="worker heartbeat period",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=c["heartbeat_timeout_ms"],
+        help="silence after which a worker is stale",
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=c["drain_timeout"],
+        help="seconds to finish in-flight work on SIGTERM",
     )
     add_control_security_arguments(parser)
     parser.add_argument(
         "--control-authorized-keys",
-        default="",
+        default=c["control_authorized_keys"],
         help="dir of worker public keys (*.key) allowed on the control plane; each file name starts "
         "with the role the key may register as (prefill, decode, colocated)",
     )
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    from dataclasses import fields
-
     from coordinator.routing_policy import DISAGGREGATION, RoutingPolicy
 
-    default = {f.name: f.default for f in fields(RoutingPolicy)}
+    default = field_defaults(RoutingPolicy)
     parser.add_argument(
         "--disaggregation",
         choices=DISAGGREGATION,
@@ -113,6 +138,13 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=default["local_prefill_max_tokens"],
         help="conditional: longest uncached prompt a decode worker prefills itself",
+    )
+    parser.add_argument(
+        "--tpot-slo-ms",
+        type=float,
+        default=default["tpot_slo_ms"],
+        help="conditional: prefill on a decode worker only while its running requests' projected TPOT "
+        "stays within this (ms; 0 = off: TTFT alone decides)",
     )
 
 
@@ -162,8 +194,6 @@ def run(args: argparse.Namespace) -> int:
 def _config(
     args: argparse.Namespace, keys: tuple[str, ...], admin_keys: tuple[str, ...]
 ) -> CoordinatorConfig:
-    from coordinator.app import CoordinatorConfig
-    from coordinator.chat import TemplateLimits
     from coordinator.routing_policy import RoutingPolicy
 
     templates = TemplateLimits(
@@ -200,7 +230,7 @@ def _config(
         control_key=args.control_key,
         control_authorized_keys=args.control_authorized_keys,
         insecure_control_plane=bool(args.insecure_control_plane),
-        routing=RoutingPolicy(args.disaggregation, args.local_prefill_max_tokens),
+        routing=RoutingPolicy(args.disaggregation, args.local_prefill_max_tokens, args.tpot_slo_ms),
     )
 
 

@@ -28,11 +28,23 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
 `conditional` takes the local path when it is cheaper and the uncached prompt is at most
 `local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core);
 `always` never prefills on a decode worker; `never` always does.
+
+The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): the `work` tokens
+land in its steps, `spare` a step, on top of the decodes, adding `work x cost_per_token` of step time
+(the step's fixed part is paid by the decodes anyway). A running request with `r` output tokens left
+of `n` sees the part of it computed in its remaining steps, `min(work, r x spare) x cost`, spread
+over its `n - 1` inter-token gaps:
+
+    projected_tpot = max over running requests of  step + min(work, r x spare) x cost / (n - 1)
+    step = its measured decode step (step base + running x cost before it has one)
+
+and `conditional` goes local only while that stays within the target, so a decode worker already at
+its target sheds prefill to the prefill workers (whose queue then meters new decodes into it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.routing_policy import RoutingPolicy
@@ -66,6 +78,10 @@ class Placement:
     transfer_ms: float = 0.0
     prefill_queue_ms: float = 0.0
     decode_spare_tokens: int = 0
+    local_tpot_ms: float = 0.0
+    tpot_target_ms: float = 0.0
+    local_added_ms: float = 0.0
+    decode_running: int = 0
 
     @property
     def colocated(self) -> bool:
@@ -88,7 +104,27 @@ class Placement:
             uncached_tokens=self.uncached_tokens,
             prefill_queue_ms=self.prefill_queue_ms,
             decode_spare_tokens=self.decode_spare_tokens,
+            local_tpot_ms=self.local_tpot_ms,
+            tpot_target_ms=self.tpot_target_ms,
+            local_added_ms=self.local_added_ms,
+            decode_running=self.decode_running,
         )
+
+
+@dataclass(frozen=True, slots=True)
+class RunningDecode:
+    """A request decoding (or placed to decode) on a decode worker, as the TPOT projection sees it:
+    output tokens still to come and in all (max_tokens; an early EOS only helps)."""
+
+    remaining_tokens: int
+    output_tokens: int
+
+
+Decoding = Callable[[str], Sequence[RunningDecode]]  # decode worker id -> its running requests
+
+
+def no_decoding(worker_id: str) -> Sequence[RunningDecode]:
+    return ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +134,16 @@ class LocalEstimate:
     ttft_ms: float
     cached_tokens: int
     spare_tokens: int  # step budget its running decodes leave
+    work_tokens: int  # its queued prefill + placed since + this sequence's uncached tokens
+
+
+@dataclass(frozen=True, slots=True)
+class TpotEstimate:
+    """What a local prefill costs the decode worker's running requests."""
+
+    added_ms: float  # step time the prefill work adds, spread over the running requests' tokens
+    tpot_ms: float  # the worst running request's projected TPOT; 0 with nothing running
+    running: int
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, model_identity: str) -> list[int]:
@@ -158,7 +204,21 @@ class Router:
         steps = -(-work // spare)
         step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
         ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms
-        return LocalEstimate(ttft, cached, spare)
+        return LocalEstimate(ttft, cached, spare, work)
+
+    def estimate_tpot(
+        self, decode: WorkerInfo, est: LocalEstimate, running: Sequence[RunningDecode]
+    ) -> TpotEstimate:
+        """`decode`'s projected TPOT once `est.work_tokens` of prefill land in its steps (module doc)."""
+        cost_ms = self.cost_us_per_token(decode) / 1e3
+        added = est.work_tokens * cost_ms
+        load = decode.load
+        step = load.decode_step_ms or load.step_base_ms + len(running) * cost_ms
+        worst = 0.0
+        for r in running:
+            hit = min(est.work_tokens, r.remaining_tokens * est.spare_tokens) * cost_ms
+            worst = max(worst, step + hit / max(1, r.output_tokens - 1))
+        return TpotEstimate(added, worst, len(running))
 
     def cached_tokens(
         self, worker: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
@@ -189,20 +249,23 @@ class Router:
             return None
         return min(fits, key=lambda w: (-w.free_blocks_estimate, w.load.running_requests, w.worker_id))
 
-    def place(self, token_ids: Sequence[int]) -> Placement | None:
+    def place(self, token_ids: Sequence[int], decoding: Decoding = no_decoding) -> Placement | None:
         """Best placement for the sequence `token_ids` (prompt + output so far) under the policy, or
-        None when no READY worker has room now."""
+        None when no READY worker has room now. `decoding` names each decode worker's running
+        requests (the coordinator's request table), for the TPOT target."""
         hashes: dict[int, list[int]] = {}
         remote = self._place_remote(token_ids, hashes)
         if self.policy.disaggregation == "always" or (remote is not None and remote.path == COLOCATED_PATH):
             return remote
-        local = self._place_local(token_ids, hashes, remote)
+        local = self._place_local(token_ids, hashes, remote, decoding)
         if local is None or self.policy.disaggregation == "never":
             return local or remote
         too_long = local.uncached_tokens > self.policy.local_prefill_max_tokens
-        if remote is None:  # no prefill worker can take it now: a long prompt waits for one
-            return None if too_long else local
-        if too_long or local.local_ttft_ms >= remote.remote_ttft_ms:
+        target = self.policy.tpot_slo_ms
+        over_tpot = target > 0 and local.local_tpot_ms > target
+        if remote is None:  # no prefill worker can take it now: wait for one (or for D's TPOT)
+            return None if too_long or over_tpot else local
+        if too_long or over_tpot or local.local_ttft_ms >= remote.remote_ttft_ms:
             return _with_local(remote, local)
         return local
 
@@ -235,7 +298,11 @@ class Router:
         return None
 
     def _place_local(
-        self, token_ids: Sequence[int], hashes: dict[int, list[int]], remote: Placement | None
+        self,
+        token_ids: Sequence[int],
+        hashes: dict[int, list[int]],
+        remote: Placement | None,
+        decoding: Decoding,
     ) -> Placement | None:
         """The decode worker with room and the lowest local estimate (`never`: with room, by free
         blocks, even without spare budget); None when none has both."""
@@ -256,6 +323,12 @@ class Router:
         _, _, decode, est = best
         cached = est.cached_tokens if est is not None else self.cached_tokens(decode, token_ids, hashes)
         ttft = est.ttft_ms if est is not None else 0.0
+        target = self.policy.tpot_slo_ms
+        tpot = (
+            self.estimate_tpot(decode, est, decoding(decode.worker_id))
+            if est is not None and target > 0
+            else TpotEstimate(0.0, 0.0, 0)
+        )
         return Placement(
             decode,
             decode,
@@ -269,6 +342,10 @@ class Router:
             remote.transfer_ms if remote is not None else 0.0,
             remote.prefill_queue_ms if remote is not None else 0.0,
             est.spare_tokens if est is not None else 0,
+            tpot.tpot_ms,
+            target,
+            tpot.added_ms,
+            tpot.running,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -300,5 +377,13 @@ def _hashes_for(
 
 
 def _with_local(remote: Placement, local: Placement) -> Placement:
-    """The remote placement carrying the local estimate it beat (for Timings.routing)."""
-    return replace(remote, local_ttft_ms=local.local_ttft_ms, decode_spare_tokens=local.decode_spare_tokens)
+    """The remote placement carrying the local estimates it beat (for Timings.routing)."""
+    return replace(
+        remote,
+        local_ttft_ms=local.local_ttft_ms,
+        decode_spare_tokens=local.decode_spare_tokens,
+        local_tpot_ms=local.local_tpot_ms,
+        tpot_target_ms=local.tpot_target_ms,
+        local_added_ms=local.local_added_ms,
+        decode_running=local.decode_running,
+    )

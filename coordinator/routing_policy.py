@@ -1,4 +1,4 @@
-"""The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`); import-light, because
+"""The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`, `--tpot-slo-ms`); import-light, because
 `splitserve --help` builds the coordinator's flags from these defaults."""
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ class RoutingPolicy:
     `always`: every prompt is prefilled on a prefill worker and its KV shipped; `never`: every prompt
     is prefilled on its decode worker; `conditional`: per request, whichever path has the lower
     estimated TTFT, but on the decode worker only when at most `local_prefill_max_tokens` of the
-    prompt are uncached there. Created once from the flags, never changed."""
+    prompt are uncached there, and, with `tpot_slo_ms` > 0, only while the decode worker's projected
+    TPOT with that prefill in its steps stays within `tpot_slo_ms` (0: TTFT alone decides). Created
+    once from the flags, never changed."""
 
     disaggregation: str = DISAGGREGATION[0]
     local_prefill_max_tokens: int = 512
+    tpot_slo_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATION:
@@ -27,3 +30,5 @@ class RoutingPolicy:
             )
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if not self.tpot_slo_ms >= 0:  # also refuses NaN
+            raise ValueError(f"--tpot-slo-ms must be >= 0 (0 = off), got {self.tpot_slo_ms}")

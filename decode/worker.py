@@ -5,8 +5,9 @@ Decode with a prefill peer (disaggregated):
     Decode ──► reserve blocks for prompt + output, all or nothing (own prefix-cache hits first)
            ├─ short ──► ReserveFailed to the coordinator at once (nothing held)
            └─ ok ─────► kvtransfer RecvSession posts receives into exactly those blocks, then
-                        Reserved to P; lease armed
-    KVChunkReady ──► counted (the receives are already posted)
+                        Reserved to P; queue lease armed (--queue-lease-ms: P's queue may be long)
+    PrefillProgress ──► P runs it: the lease (--lease-ms) starts, renewed by each one and each KVChunkReady
+    KVChunkReady ──► counted (the receives are already posted); lease renewed
     KVDone ──► every announced chunk and every message landed?
            ├─ yes ──► joins the batch with token 1 as its next input (never recomputed); KVAck(ok)
            └─ no ───► KVAck(failed) to P, Abort(PEER_FAILED) to the coordinator, blocks released
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import structlog
 
@@ -114,7 +115,10 @@ class DecodeWorker(WorkerRole):
             return
         r.reserved_blocks, r.kv_start_token = ids, r.seq.num_cached_tokens
         self.track(r)
-        self.rearm_lease(r, "no KVDone within the lease")
+        # a waiting P is the coordinator's to judge first (a stale P's requests are resumed); this
+        # bounds the reservation even when nobody tells us
+        queue_ms = self.settings.queue_lease_ms
+        self.rearm_lease(r, "the prefill worker did not start it within --queue-lease-ms", queue_ms)
         assert self.plane is not None and r.peer is not None
         try:
             peer = await self.plane.peer(r.peer)
@@ -125,9 +129,8 @@ class DecodeWorker(WorkerRole):
             return  # aborted while connecting
         r.release_session = self.plane.hold(ids)
         key, secret = session_key(r.rid, r.generation), new_session_secret()  # goes out in Reserved only
-        r.session = RecvSession(
-            peer, key, secret, self.plane.cache, ids, r.release_session, self.plane.config
-        )
+        queued = replace(self.plane.config, lease_s=max(queue_ms, self.settings.lease_ms) / 1e3)
+        r.session = RecvSession(peer, key, secret, self.plane.cache, ids, r.release_session, queued)
         r.session.start()  # receives posted before P can learn the block ids
         self.spawn(self._receive, r, r.session)
         reserved = control_pb2.Reserved(
@@ -158,6 +161,18 @@ class DecodeWorker(WorkerRole):
 
     # --- prefill worker messages --------------------------------------------------------------------
 
+    def _progress(self, r: DecodeRequest) -> None:
+        """P moved the request on: the lease (ours and the session's) runs --lease-ms from now."""
+        self.rearm_lease(r, "no KV progress from the prefill worker within the lease")
+        if r.session is not None:
+            r.session.renew(self.settings.lease_ms / 1e3)
+
+    async def handle_prefill_progress(self, msg: Received) -> None:
+        s = msg.envelope.prefill_progress
+        r: DecodeRequest | None = self.current(s.rid, s.generation, "prefill_progress", msg.sender)
+        if r is not None and r.kv_done is None:
+            self._progress(r)
+
     async def handle_kv_chunk_ready(self, msg: Received) -> None:
         c = msg.envelope.kv_chunk_ready
         r: DecodeRequest | None = self.current(c.rid, c.generation, "kv_chunk_ready", msg.sender)
@@ -170,6 +185,7 @@ class DecodeWorker(WorkerRole):
             )
             return
         r.chunks.add(c.chunk_index)
+        self._progress(r)
         if r.first_chunk_at is None:
             r.first_chunk_at = time.monotonic()
 
@@ -195,6 +211,7 @@ class DecodeWorker(WorkerRole):
             await self.fail(r, PEER_FAILED, error)
             return
         self.rearm_lease(r, "KV not landed within the lease")  # now it bounds the last receives
+        r.session.renew(self.settings.lease_ms / 1e3)
         r.session.mark_done(k.token_id)
 
     async def _receive(self, r: DecodeRequest, session: RecvSession) -> None:

@@ -130,6 +130,14 @@ class _Session(ABC):
             self._result.set_exception(SessionAborted(self.abort_reason or "aborted"))
             self._result.exception()  # a session nobody waits on must not log "never retrieved"
 
+    def renew(self, lease_s: float | None = None) -> None:
+        """Restart the lease from now (`lease_s`, default the config's): the owner saw progress. A
+        no-op once the session left ACTIVE."""
+        if self.state is SessionState.ACTIVE:
+            self._lease.cancel()
+            delay = self.config.lease_s if lease_s is None else lease_s
+            self._lease = asyncio.get_running_loop().call_later(delay, self.abort, "lease expired")
+
     async def wait(self) -> int | None:
         """The first token (receiver) or None (sender) at DONE; raises SessionAborted otherwise."""
         return await asyncio.shield(self._result)

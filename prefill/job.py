@@ -45,6 +45,12 @@ class PrefillJob(WorkerRequest):
     sent_messages: int = 0
     chunks: int = 0
     holds: list[Callable[[list[int]], None]] = field(default_factory=list)
+    progress_at: float | None = None  # last PrefillProgress to D (monotonic)
+
+    def progress_due(self, now: float) -> bool:
+        """Whether D should hear of this step: the first one, then every Reserved.lease_ms / 4."""
+        assert self.reserved is not None
+        return self.progress_at is None or now - self.progress_at >= self.reserved.lease_ms / 4e3
 
     @property
     def decode(self) -> control_pb2.WorkerEndpoint:
@@ -128,5 +134,5 @@ class PrefillJob(WorkerRequest):
 
     def reset_transfer(self) -> None:
         """Forget the destination (after a Reassign); the session was already ended by the caller."""
-        self.reserved, self.session, self.shipping = None, None, None
+        self.reserved, self.session, self.shipping, self.progress_at = None, None, None, None
         self.messages, self.sent_messages, self.chunks = [], 0, 0

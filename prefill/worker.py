@@ -3,7 +3,9 @@
 Per request (control.proto has the messages):
 
     Prefill ──► queued in the engine (token budget, chunked prefill across requests, prefix cache)
-    Reserved known ──► kvtransfer SendSession into D's reserved blocks; after every prefill step the
+    a step of it ran, Reserved known ──► PrefillProgress to D, at most every lease / 4 (D's lease
+      measures P's progress, not P's queue)
+    Reserved known, started ──► kvtransfer SendSession into D's reserved blocks; after every prefill step the
       blocks that became final are sent (one KVChunkReady per batch) while the next chunk computes
     first token sampled ──► PrefillDone to the coordinator at once; the last blocks are sent
     all sends delivered ──► KVDone(token 1) to D ──► KVAck from D ──► blocks released (the prefix
@@ -142,6 +144,7 @@ class PrefillWorker(WorkerRole):
 
     async def on_step(self, report: StepReport) -> None:
         self.note_started(report)
+        await self._report_progress(report)
         for out in report.outputs:
             job: PrefillJob | None = self.of_seq(out.request_id)
             if job is None:
@@ -157,6 +160,18 @@ class PrefillWorker(WorkerRole):
         self._step_done.set()
         self._step_done = asyncio.Event()
 
+    async def _report_progress(self, report: StepReport) -> None:
+        """Every reserved job the step computed renews its session's lease and, when due, D's."""
+        now = time.monotonic()
+        for item in report.out.scheduled:
+            job: PrefillJob | None = self.of_seq(item.seq)
+            if job is None or job.reserved is None:
+                continue
+            if job.session is not None:
+                job.session.renew()
+            if job.progress_due(now):
+                await self._progress_to_decode(job)
+
     # --- shipping -----------------------------------------------------------------------------------
 
     async def _attach(self, job: PrefillJob, r: control_pb2.Reserved) -> None:
@@ -166,7 +181,17 @@ class PrefillWorker(WorkerRole):
             return
         job.reserved = r
         self.rearm_lease(job, None)
+        if job.started is not None:  # else on_step says so after its first step
+            await self._progress_to_decode(job)
+            if not self.is_current(job):
+                return  # D stopped reading: the job already failed
         job.shipping = self.spawn(self._ship, job)
+
+    async def _progress_to_decode(self, job: PrefillJob) -> None:
+        job.progress_at = time.monotonic()
+        progress = control_pb2.PrefillProgress(rid=job.rid, generation=job.generation)
+        if not await self.to_peer(job.decode, prefill_progress=progress):
+            await self.fail(job, PEER_FAILED, "decode worker not reading")
 
     async def _ship(self, job: PrefillJob) -> None:
         """The job's whole transfer, from Reserved on: after each prefill step the blocks that became
@@ -175,6 +200,9 @@ class PrefillWorker(WorkerRole):
         job ends first."""
         try:
             peer = await self.plane.peer(job.decode)
+            while job.started is None:  # the session's lease measures the transfer, not our queue
+                step_done = self._step_done
+                await step_done.wait()  # protects an invariant: a lease starts when the work does
             dst, secret = job.dst_blocks(), job.transfer_secret()
             key = session_key(job.rid, job.generation)
             session = SendSession(

@@ -35,7 +35,7 @@ from splitserve.v1 import control_pb2, serving_pb2
 log = structlog.get_logger(__name__)
 Reason: TypeAlias = control_pb2.AbortReason.ValueType
 _FROM_COORDINATOR = frozenset({"prefill", "decode", "reassign", "abort"})
-_FROM_PEERS = frozenset({"reserved", "kv_chunk_ready", "kv_done", "kv_ack", "abort"})
+_FROM_PEERS = frozenset({"reserved", "prefill_progress", "kv_chunk_ready", "kv_done", "kv_ack", "abort"})
 
 
 @dataclass(slots=True)
@@ -280,13 +280,14 @@ class WorkerRole:
         """Run `fn(*args)` as a task after `delay_s` (a lease or a deadline); cancel the handle to disarm."""
         return asyncio.get_running_loop().call_later(delay_s, self.spawn, fn, *args)
 
-    def rearm_lease(self, rec: WorkerRequest, message: str | None) -> None:
-        """Replace `rec`'s lease: after --lease-ms it fails with LEASE_EXPIRED (`message` None: disarm)."""
+    def rearm_lease(self, rec: WorkerRequest, message: str | None, lease_ms: int | None = None) -> None:
+        """Replace `rec`'s lease: after `lease_ms` (default --lease-ms) it fails with LEASE_EXPIRED
+        (`message` None: disarm)."""
         if rec.lease is not None:
             rec.lease.cancel()
             rec.lease = None
         if message is not None:
-            lease_s = self.settings.lease_ms / 1e3
+            lease_s = (lease_ms or self.settings.lease_ms) / 1e3
             rec.lease = self.later(lease_s, self.fail, rec, control_pb2.ABORT_REASON_LEASE_EXPIRED, message)
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> asyncio.Task[None]:

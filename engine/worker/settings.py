@@ -38,7 +38,8 @@ class WorkerSettings:
     transfer_backend: str = "ucx"
     metrics_port: int = 0
     drain_timeout_s: float = 30.0
-    lease_ms: int = 10_000
+    lease_ms: int = 10_000  # P's progress (D) or D's answer (P) must come within this
+    queue_lease_ms: int = 120_000  # D: a reservation whose prefill P has not started is held this long
     register_timeout_s: float = 120.0
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
@@ -62,8 +63,10 @@ class WorkerSettings:
             )
         if self.transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--transfer-backend must be ucx or tcp, got {self.transfer_backend!r}")
-        if self.lease_ms < 1:
-            raise ValueError(f"--lease-ms must be positive, got {self.lease_ms}")
+        if self.lease_ms < 1 or self.queue_lease_ms < 1:
+            raise ValueError(
+                f"--lease-ms and --queue-lease-ms must be positive, got {self.lease_ms}, {self.queue_lease_ms}"
+            )
         if not self.served_model_name:
             self.served_model_name = default_served_name(self.model)
 
@@ -141,7 +144,18 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     a("--dtype", choices=DTYPES, default=e["dtype"], help="weights and KV dtype")
     a("--device", default=e["device"], help="torch device, e.g. cpu or cuda:0")
-    a("--lease-ms", type=int, default=w["lease_ms"], help="lease of a held prefill result or a reservation")
+    a(
+        "--lease-ms",
+        type=int,
+        default=w["lease_ms"],
+        help="lease of a held prefill result, and of a reservation once P started it (renewed by P's progress)",
+    )
+    a(
+        "--queue-lease-ms",
+        type=int,
+        default=w["queue_lease_ms"],
+        help="decode: longest wait for P to start a reserved request (P's queue); a lost P is recovered sooner",
+    )
     a(
         "--drain-timeout",
         type=float,
@@ -207,6 +221,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         metrics_port=args.metrics_port,
         drain_timeout_s=args.drain_timeout,
         lease_ms=args.lease_ms,
+        queue_lease_ms=args.queue_lease_ms,
         register_timeout_s=args.register_timeout,
         kv_message_bytes=args.kv_message_bytes,
         kv_direct_bytes=args.kv_direct_bytes,

@@ -150,6 +150,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="rate of the attainment-vs-scale plot (default: the highest)",
     )
+    a(
+        "--router-tpot-slo-ms",
+        type=float,
+        default=None,
+        help="the coordinator's --tpot-slo-ms (conditional: local prefill only within it; default: the "
+        "absolute --slo-tpot-ms, 0 under --slo-scale; 0 = off)",
+    )
     a("--unloaded-probes", type=int, default=2, help="unloaded requests per kind before each sweep")
     a("--request-timeout", type=float, default=300.0)
     a("--json", type=Path, default=None, help="write the whole study (JSON) here")
@@ -178,6 +185,8 @@ def _usage_error(args: argparse.Namespace) -> str:
     modes = args.modes or [args.mode]
     if args.prefill_chunk_budgets and "colocated" not in modes:
         return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
+    if args.router_tpot_slo_ms is not None and not args.router_tpot_slo_ms >= 0:
+        return "--router-tpot-slo-ms must be >= 0 (0 = off)"
     if args.num_requests < 1 or args.unloaded_probes < 1 or args.rounds < 1:
         return "--num-requests, --unloaded-probes and --rounds must be >= 1"
     if args.target and (args.control_planes or args.rounds > 1):
@@ -212,7 +221,14 @@ def run(args: argparse.Namespace) -> int:
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
     vs = variants(modes, args.prefill_chunk_budgets, planes, args.rounds)
-    study = run_study(plan, vs, None if args.target else cluster_spec(args), args.target, say=say)
+    router_tpot = args.router_tpot_slo_ms
+    if router_tpot is None:
+        router_tpot = 0.0 if args.slo_scale else args.slo_tpot_ms
+    spec = None
+    if not args.target:
+        spec = cluster_spec(args)
+        spec.coordinator_args = [*spec.coordinator_args, "--tpot-slo-ms", f"{router_tpot:g}"]
+    study = run_study(plan, vs, spec, args.target, say=say)
     study["workload"] = {
         "num_requests": len(plan.items),
         "kinds": {
@@ -223,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
         "rates": args.rates,
         "pin": {k: list(v) for k, v in args.pin.items()},
         "threads": args.threads,
+        "router_tpot_slo_ms": None if args.target else router_tpot,
     }
     print(render(study))
     if args.json:

@@ -34,6 +34,7 @@ class RequestTrace:
     token_times: list[float] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     path: str = ""  # where the router had it prefilled: remote, local or colocated ("" unknown)
+    resumes: int = 0  # Usage.preemptions: runs after the first (their queue and prefill are summed in)
     error: str = ""
 
     @property
@@ -86,6 +87,7 @@ async def run_load(
                     t = event.finished.timings
                     trace.timings = {name: float(getattr(t, name)) for name in TIMING_FIELDS}
                     trace.path = path_name(t.routing.path)
+                    trace.resumes = event.finished.usage.preemptions
         except grpc.aio.AioRpcError as exc:
             trace.error = f"{exc.code().name}: {exc.details()}"
         if on_done is not None:

@@ -74,12 +74,15 @@ def breakdown(trace: RequestTrace) -> dict[str, float]:
     """The server's timings of one finished request plus `other_ms`: first token time not spent
     queued or prefilling (routing, delivery). TTFT = queue + prefill + other; the KV transfer starts
     once the first token is sampled, so it lies in decode (it delays the second token), not in TTFT.
-    Empty for a request that never finished."""
+    A resumed request has no `other_ms`: its queue and prefill sum every run, the later ones after
+    its first token (that is how `other` once came out at -48 ms). Empty for a request that never
+    finished."""
     if not trace.timings:
         return {}
     t = trace.timings
     parts = {name: t[name] for name in TIMING_FIELDS}
-    parts["other_ms"] = t["first_token_ms"] - t["queue_ms"] - t["prefill_ms"]
+    if trace.resumes == 0:
+        parts["other_ms"] = t["first_token_ms"] - t["queue_ms"] - t["prefill_ms"]
     return parts
 
 
@@ -87,7 +90,8 @@ def summarize(traces: list[RequestTrace], duration: float, slos: dict[str, Laten
     """One rate's row: counts, throughput, TTFT/TPOT/ITL distributions, mean breakdown, attainment."""
     ok = [t for t in traces if t.ok]
     parts = [b for b in (breakdown(t) for t in ok) if b]
-    mean_breakdown = {k: statistics.fmean(b[k] for b in parts) for k in parts[0]} if parts else {}
+    keys = dict.fromkeys(k for b in parts for k in b)  # other_ms: over the requests never resumed
+    mean_breakdown = {k: statistics.fmean(b[k] for b in parts if k in b) for k in keys}
     return {
         "num_requests": len(traces),
         "completed": len(ok),
@@ -99,6 +103,7 @@ def summarize(traces: list[RequestTrace], duration: float, slos: dict[str, Laten
         "breakdown_ms": mean_breakdown,
         "attainment": attainment(traces, slos),
         "paths": dict(Counter(t.path for t in ok if t.path)),  # the router's prefill decisions
+        "resumed": sum(1 for t in ok if t.resumes),
         "errors": dict(Counter(t.error for t in traces if t.error)),
     }
 

@@ -128,6 +128,7 @@ class Envelope(_message.Message):
     KV_CHUNK_READY_FIELD_NUMBER: _builtins.int
     KV_DONE_FIELD_NUMBER: _builtins.int
     KV_ACK_FIELD_NUMBER: _builtins.int
+    PREFILL_PROGRESS_FIELD_NUMBER: _builtins.int
     PREFILL_DONE_FIELD_NUMBER: _builtins.int
     TOKEN_BATCH_FIELD_NUMBER: _builtins.int
     PREEMPTED_FIELD_NUMBER: _builtins.int
@@ -200,6 +201,10 @@ class Envelope(_message.Message):
         """D -> P, the KV is received (or failed); P may release its blocks."""
 
     @_builtins.property
+    def prefill_progress(self) -> Global___PrefillProgress:
+        """P -> D, P computed part of a reserved request's prompt: D's lease runs from here."""
+
+    @_builtins.property
     def prefill_done(self) -> Global___PrefillDone:
         """P -> coordinator, the first token and prefill statistics."""
 
@@ -231,15 +236,16 @@ class Envelope(_message.Message):
         kv_chunk_ready: Global___KVChunkReady | None = ...,
         kv_done: Global___KVDone | None = ...,
         kv_ack: Global___KVAck | None = ...,
+        prefill_progress: Global___PrefillProgress | None = ...,
         prefill_done: Global___PrefillDone | None = ...,
         token_batch: Global___TokenBatch | None = ...,
         preempted: Global___Preempted | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "decode", b"decode", "deregister", b"deregister", "heartbeat", b"heartbeat", "kv_ack", b"kv_ack", "kv_chunk_ready", b"kv_chunk_ready", "kv_done", b"kv_done", "msg", b"msg", "peers", b"peers", "pool_state_query", b"pool_state_query", "pool_state_reply", b"pool_state_reply", "preempted", b"preempted", "prefill", b"prefill", "prefill_done", b"prefill_done", "reassign", b"reassign", "register", b"register", "register_ack", b"register_ack", "reserve_failed", b"reserve_failed", "reserved", b"reserved", "shutdown", b"shutdown", "token_batch", b"token_batch"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "decode", b"decode", "deregister", b"deregister", "heartbeat", b"heartbeat", "kv_ack", b"kv_ack", "kv_chunk_ready", b"kv_chunk_ready", "kv_done", b"kv_done", "msg", b"msg", "peers", b"peers", "pool_state_query", b"pool_state_query", "pool_state_reply", b"pool_state_reply", "preempted", b"preempted", "prefill", b"prefill", "prefill_done", b"prefill_done", "prefill_progress", b"prefill_progress", "reassign", b"reassign", "register", b"register", "register_ack", b"register_ack", "reserve_failed", b"reserve_failed", "reserved", b"reserved", "shutdown", b"shutdown", "token_batch", b"token_batch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "decode", b"decode", "deregister", b"deregister", "heartbeat", b"heartbeat", "kv_ack", b"kv_ack", "kv_chunk_ready", b"kv_chunk_ready", "kv_done", b"kv_done", "msg", b"msg", "peers", b"peers", "pool_state_query", b"pool_state_query", "pool_state_reply", b"pool_state_reply", "preempted", b"preempted", "prefill", b"prefill", "prefill_done", b"prefill_done", "reassign", b"reassign", "register", b"register", "register_ack", b"register_ack", "reserve_failed", b"reserve_failed", "reserved", b"reserved", "shutdown", b"shutdown", "token_batch", b"token_batch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "decode", b"decode", "deregister", b"deregister", "heartbeat", b"heartbeat", "kv_ack", b"kv_ack", "kv_chunk_ready", b"kv_chunk_ready", "kv_done", b"kv_done", "msg", b"msg", "peers", b"peers", "pool_state_query", b"pool_state_query", "pool_state_reply", b"pool_state_reply", "preempted", b"preempted", "prefill", b"prefill", "prefill_done", b"prefill_done", "prefill_progress", b"prefill_progress", "reassign", b"reassign", "register", b"register", "register_ack", b"register_ack", "reserve_failed", b"reserve_failed", "reserved", b"reserved", "shutdown", b"shutdown", "token_batch", b"token_batch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "register_ack", "peers", "heartbeat", "deregister", "shutdown", "pool_state_query", "pool_state_reply", "prefill", "decode", "reassign", "abort", "reserved", "reserve_failed", "kv_chunk_ready", "kv_done", "kv_ack", "prefill_done", "token_batch", "preempted"]  # noqa: Y015
+    _WhichOneofReturnType_msg: _TypeAlias = _typing.Literal["register", "register_ack", "peers", "heartbeat", "deregister", "shutdown", "pool_state_query", "pool_state_reply", "prefill", "decode", "reassign", "abort", "reserved", "reserve_failed", "kv_chunk_ready", "kv_done", "kv_ack", "prefill_progress", "prefill_done", "token_batch", "preempted"]  # noqa: Y015
     _WhichOneofArgType_msg: _TypeAlias = _typing.Literal["msg", b"msg"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_msg) -> _WhichOneofReturnType_msg | None: ...
 
@@ -1057,7 +1063,10 @@ class Reserved(_message.Message):
     the block size; P sends nothing for them. 0 when D has none.
     """
     lease_ms: _builtins.int
-    """D releases the reservation if KVDone has not arrived within this many milliseconds."""
+    """D releases the reservation when P shows no progress (PrefillProgress, a KVChunkReady, KVDone)
+    within this many milliseconds once P has started the request; until then it waits at most the
+    decode worker's --queue-lease-ms (a lost P's requests are recovered by the coordinator first).
+    """
     transfer_secret: _builtins.bytes
     """The transfer session's secret (16 random bytes, fresh per reservation): every transfer tag of
     the session derives from it (kvtransfer.plan), so only P can hit D's posted receives.
@@ -1118,6 +1127,35 @@ class ReserveFailed(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ReserveFailed: _TypeAlias = ReserveFailed  # noqa: Y015
+
+@_typing.final
+class PrefillProgress(_message.Message):
+    """P -> D: P ran a prefill step of the request: after its first step (it waited in P's queue until
+    then), or when Reserved comes after that, then at most every Reserved.lease_ms / 4 while it
+    computes. D's reservation lease measures P's progress from the first one, not P's queue.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RID_FIELD_NUMBER: _builtins.int
+    GENERATION_FIELD_NUMBER: _builtins.int
+    rid: _builtins.int
+    """Request key."""
+    generation: _builtins.int
+    """Request version."""
+    def __init__(
+        self,
+        *,
+        rid: _builtins.int = ...,
+        generation: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "rid", b"rid"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PrefillProgress: _TypeAlias = PrefillProgress  # noqa: Y015
 
 @_typing.final
 class KVChunkReady(_message.Message):

@@ -1126,6 +1126,10 @@ class RoutingDecision(_message.Message):
     UNCACHED_TOKENS_FIELD_NUMBER: _builtins.int
     PREFILL_QUEUE_MS_FIELD_NUMBER: _builtins.int
     DECODE_SPARE_TOKENS_FIELD_NUMBER: _builtins.int
+    LOCAL_TPOT_MS_FIELD_NUMBER: _builtins.int
+    TPOT_TARGET_MS_FIELD_NUMBER: _builtins.int
+    LOCAL_ADDED_MS_FIELD_NUMBER: _builtins.int
+    DECODE_RUNNING_FIELD_NUMBER: _builtins.int
     path: Global___PrefillPath.ValueType
     """The path taken."""
     estimated_ttft_ms: _builtins.float
@@ -1149,6 +1153,19 @@ class RoutingDecision(_message.Message):
     """Queue part of remote_ttft_ms, milliseconds."""
     decode_spare_tokens: _builtins.int
     """The decode worker's step budget left by its running decodes (tokens per step); 0 when unknown."""
+    local_tpot_ms: _builtins.float
+    """The decode worker's projected TPOT with the local prefill: its worst running request's time per
+    output token once the prefill work (local_added_ms) lands in its steps, milliseconds; 0 when not
+    estimated (no TPOT target, or nothing decoding there).
+    """
+    tpot_target_ms: _builtins.float
+    """The coordinator's TPOT target (--tpot-slo-ms) the local path was held to; 0 = off."""
+    local_added_ms: _builtins.float
+    """Step time the local prefill adds to the decode worker: (its queued prefill + the uncached tokens)
+    x its per-token cost, milliseconds, spread over the running requests' remaining tokens.
+    """
+    decode_running: _builtins.int
+    """Requests decoding (or about to) on the decode worker that the TPOT projection counted."""
     def __init__(
         self,
         *,
@@ -1161,10 +1178,14 @@ class RoutingDecision(_message.Message):
         uncached_tokens: _builtins.int = ...,
         prefill_queue_ms: _builtins.float = ...,
         decode_spare_tokens: _builtins.int = ...,
+        local_tpot_ms: _builtins.float = ...,
+        tpot_target_ms: _builtins.float = ...,
+        local_added_ms: _builtins.float = ...,
+        decode_running: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_ms", b"remote_ttft_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_tpot_ms", b"local_tpot_ms", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

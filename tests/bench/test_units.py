@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from splitserve.bench.load import RequestTrace
-from splitserve.bench.metrics import Latency, attainment, goodput, scaled, unloaded
+from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
 from splitserve.bench.study import BUDGET_FLAG, Variant, variant_spec, variants
 from splitserve.bench.workload import MIXES, arrivals, mixed, parse_mix
 from splitserve.cli import build_parser
@@ -25,6 +25,22 @@ def trace(kind: str, ttft_ms: float, tpot_ms: float, tokens: int = 3) -> Request
 def pairs(latencies: dict[str, Latency]) -> dict[str, float]:
     """Flat {"kind.ttft": ms, "kind.tpot": ms} for pytest.approx."""
     return {f"{k}.{f}": getattr(v, f"{f}_ms") for k, v in latencies.items() for f in ("ttft", "tpot")}
+
+
+def test_other_is_left_out_for_a_resumed_request() -> None:
+    """A resumed request's queue and prefill sum every run, the later ones after its first token:
+    `other` (first token - queue - prefill) would go negative, so it is not computed for it."""
+    timed = {"queue_ms": 40.0, "prefill_ms": 30.0, "kv_transfer_ms": 1.0, "first_token_ms": 100.0}
+    timed |= {"decode_ms": 50.0, "total_ms": 150.0}
+    plain, resumed = trace("chat", 100.0, 25.0), trace("chat", 100.0, 25.0)
+    plain.timings = dict(timed)
+    resumed.timings = timed | {"queue_ms": 90.0, "prefill_ms": 60.0}  # a second run after token 1
+    resumed.resumes = 1
+    assert breakdown(plain)["other_ms"] == pytest.approx(30.0)
+    assert "other_ms" not in breakdown(resumed) and breakdown(resumed)["queue_ms"] == 90.0
+    row = summarize([plain, resumed], 1.0, {"chat": Latency(1e3, 1e3)})
+    assert row["breakdown_ms"]["other_ms"] == pytest.approx(30.0)  # the never-resumed request only
+    assert row["breakdown_ms"]["queue_ms"] == pytest.approx(65.0) and row["resumed"] == 1
 
 
 def test_docs_chats_mix_has_exact_shares_and_is_seeded() -> None:
@@ -118,6 +134,7 @@ def test_bad_flags_are_usage_errors(
             "start local clusters: drop --target",
         ),
         (["--target", "127.0.0.1:1", "--modes", "colocated,disaggregated"], "several --modes need local"),
+        (["--router-tpot-slo-ms", "-1"], "--router-tpot-slo-ms must be >= 0"),
     ],
 )
 def test_contradicting_flags_stop_before_any_cluster(

@@ -213,6 +213,7 @@ class Cluster:
         worker_id: str,
         *,
         lease_ms: int = 10_000,
+        queue_lease_ms: int = 120_000,
         kv_blocks_per_message: int = 0,
         **engine: Any,
     ) -> Worker:
@@ -228,6 +229,7 @@ class Cluster:
             engine=EngineConfig(**engine),
             transfer_backend=self.backend,
             lease_ms=lease_ms,
+            queue_lease_ms=queue_lease_ms,
             drain_timeout_s=5.0,
             register_timeout_s=WAIT_S,
             control_key=str(self.coordinator.keys.add_worker(worker_id, role)),
