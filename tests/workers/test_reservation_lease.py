@@ -12,14 +12,14 @@ from splitserve.v1 import control_pb2
 from tests.workers.conftest import Cluster, endpoint, execution_request
 from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt, wait_until
 
-LEASE_MS = 100
-LONG, SHORT = 1200, 8  # P computes 8 tokens a step: the long prompt holds its queue for 150 steps
+LEASE_MS = 250  # well over one P step on a loaded 2-core box, well under 300 of them
+LONG, SHORT = 1200, 8  # P computes 4 tokens a step: the long prompt holds its queue for 300 steps
 
 
 async def test_a_request_queued_on_p_longer_than_the_lease_completes_without_expiring(
     cluster: Cluster,
 ) -> None:
-    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=8, num_blocks=400)
+    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=4, num_blocks=400)
     d = await cluster.start("decode", "d0", lease_ms=LEASE_MS, num_blocks=400)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
