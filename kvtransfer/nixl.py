@@ -25,8 +25,8 @@ hosts TCP keepalive (KEEPALIVE_S) bounds it. A failed READ also loses the peer. 
 the peer is lost is cancelled (or waited out) before its receive fails, so nothing lands afterwards.
 
 Registration (`NixlSettings.register`): "storage" registers a tensor's whole storage once (the KV
-pool) and keeps it, an idle staging buffer's for up to MAX_IDLE_REGIONS; "tensor" registers each
-message's bytes for the operation only. Either way only authenticated peers get NIXL metadata. On one
+pool) and keeps it, an idle staging buffer's for up to nixl_memory.MAX_IDLE_REGIONS; "tensor"
+registers each message's bytes for the operation only. Either way only authenticated peers get NIXL metadata. On one
 host UCX reads by CMA, which no deregistration revokes (measured: a READ after deregistration still
 succeeds): what keeps others out is the hello, as for the UCX backend.
 """
@@ -34,14 +34,11 @@ succeeds): what keeps others out is the hello, as for the UCX backend.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import os
 import socket
 import struct
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +47,7 @@ import torch
 
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.layout import KVLayout
+from kvtransfer.nixl_memory import Reads, Region, Regions, import_nixl
 from kvtransfer.tcp import TcpTransport
 from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, as_bytes
 
@@ -58,7 +56,6 @@ log = structlog.get_logger(__name__)
 _FRAME = struct.Struct("<BQQQiI")
 _META, _RTS, _DONE, _WITHDRAWN = 1, 2, 3, 4
 MAX_PAYLOAD = 64 << 10  # NIXL metadata of one registration is a few hundred bytes
-MAX_IDLE_REGIONS = 32
 KEEPALIVE_S = 2  # idle seconds before TCP probes a silent peer (then 3 probes, 1 s apart)
 REGISTER_MODES = ("storage", "tensor")
 
@@ -77,114 +74,12 @@ class NixlSettings:
             raise ValueError(f"register must be one of {REGISTER_MODES}, got {self.register!r}")
 
 
-def import_nixl() -> Any:
-    """The NIXL Python API; ImportError says how to install it."""
-    from kvtransfer.bench.nixl_agent import import_nixl as load
-
-    return load()
-
-
-@dataclass(eq=False)
-class _Region:
-    """One NIXL registration; `owner` keeps its memory alive while registered."""
-
-    key: tuple[int, int, int]  # (address, bytes, device or -1)
-    serial: int  # unique per registration (an address registered again is a new region)
-    reg: Any
-    owner: Any
-    metadata: bytes  # NIXL partial metadata a peer loads to read it
-    users: int = 0
-
-
-class _Regions:
-    """Registrations of this process's NIXL agent, refcounted by the operations using them."""
-
-    def __init__(self, agent: Any, whole_storage: bool) -> None:
-        self.agent, self.whole_storage = agent, whole_storage
-        self._live: dict[tuple[int, int, int], _Region] = {}
-        self._idle: OrderedDict[tuple[int, int, int], _Region] = OrderedDict()
-        self._serials = itertools.count()
-
-    def acquire(self, buf: torch.Tensor) -> _Region:
-        flat = as_bytes(buf)
-        device = flat.get_device()
-        if self.whole_storage:
-            owner: Any = flat.untyped_storage()
-            key = (owner.data_ptr(), owner.nbytes(), device)
-        else:
-            owner, key = flat, (flat.data_ptr(), flat.numel(), device)
-        region = self._live.get(key)
-        if region is None:
-            mem = "DRAM" if device < 0 else "VRAM"
-            reg = self.agent.register_memory([(key[0], key[1], max(device, 0), "")], mem)
-            metadata = self.agent.get_partial_agent_metadata(reg, False)
-            region = self._live[key] = _Region(key, next(self._serials), reg, owner, metadata)
-        self._idle.pop(key, None)
-        region.users += 1
-        return region
-
-    def release(self, region: _Region) -> None:
-        region.users -= 1
-        if region.users > 0:
-            return
-        self._idle[region.key] = region
-        limit = MAX_IDLE_REGIONS if self.whole_storage else 0
-        while len(self._idle) > limit:
-            _, old = self._idle.popitem(last=False)
-            del self._live[old.key]
-            self.agent.deregister_memory(old.reg)
-
-    def close(self) -> None:
-        for region in self._live.values():
-            self.agent.deregister_memory(region.reg)
-        self._live.clear()
-        self._idle.clear()
-
-
-class _Reads:
-    """Watches this process's READs in flight: the event loop checks each one's state every turn
-    while any is in flight (progressing NIXL when its progress thread is off), and never otherwise."""
-
-    def __init__(self, agent: Any) -> None:
-        self.agent = agent
-        self._watched: dict[Any, Callable[[str], None]] = {}
-        self._task: asyncio.Task[None] | None = None
-
-    def watch(self, handle: Any, state: str, callback: Callable[[str], None]) -> None:
-        """Call `callback("DONE" | "ERR")` on the loop once the transfer ended."""
-        if state != "PROC":
-            asyncio.get_running_loop().call_soon(callback, state)
-            return
-        self._watched[handle] = callback
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._spin())
-
-    def forget(self, handle: Any) -> None:
-        """Stop watching a transfer NIXL cancelled."""
-        self._watched.pop(handle, None)
-
-    async def _spin(self) -> None:
-        try:
-            while self._watched:
-                for handle, callback in list(self._watched.items()):
-                    try:
-                        state = self.agent.check_xfer_state(handle)
-                    except Exception:  # NIXL's error for a failed transfer: its end
-                        state = "ERR"
-                    if state != "PROC":
-                        del self._watched[handle]
-                        callback(state)
-                await asyncio.sleep(0)
-        finally:
-            self._task = None
-
-
 @dataclass
 class _Recv:
     buf: torch.Tensor
     done: asyncio.Future[bool]
     handle: Any = None  # the READ, once matched
-    region: _Region | None = None
+    region: Region | None = None
 
 
 class NixlPostedRecv(PostedRecv):
@@ -202,7 +97,7 @@ class NixlPostedRecv(PostedRecv):
 
 @dataclass
 class _Send:
-    region: _Region
+    region: Region
     buf: torch.Tensor  # alive until the receiver said DONE
     taken: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     abandoned: bool = False
@@ -315,7 +210,10 @@ class NixlPeer(Peer):
     def _read_ended(self, tag: int, recv: _Recv, state: str) -> None:
         if self._backend == "UCX" and state == "DONE":
             self._backend = self._agent.query_xfer_backend(recv.handle)
-        recv.handle.release()
+        try:
+            recv.handle.release()
+        except Exception as e:  # NIXL keeps a handle it cannot free; nothing more will land
+            log.warning("nixl transfer handle not released", tag=tag, error=repr(e))
         assert recv.region is not None
         self._transport.regions.release(recv.region)
         self._posted.pop(tag, None)
@@ -393,7 +291,7 @@ class NixlPeer(Peer):
                 recv.handle = _Released()
                 self._read_ended(tag, recv, "ERR")
         for send in self._sends.values():
-            if not send.taken.done():
+            if not send.taken.done() and not send.abandoned:  # nobody awaits an abandoned one
                 send.taken.set_exception(PeerLost(reason))
         for tag in [t for t, s in self._sends.items() if s.abandoned]:
             self._finish_send(tag)
@@ -451,15 +349,15 @@ class NixlTransport(TcpTransport):
         self.agent: Any = None
         self._nixl: Any = None
         self.name = f"splitserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        self.regions: _Regions
-        self.reads: _Reads
+        self.regions: Regions
+        self.reads: Reads
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._nixl = nixl = import_nixl()
         config = nixl.nixl_agent_config(enable_prog_thread=self.settings.progress_thread, backends=["UCX"])
         self.agent = nixl.nixl_agent(self.name, config)
-        self.regions = _Regions(self.agent, self.settings.register == "storage")
-        self.reads = _Reads(self.agent)
+        self.regions = Regions(self.agent, self.settings.register == "storage")
+        self.reads = Reads(self.agent)
         address = await super().start(host, port)
         log.info("nixl agent ready", name=self.name, settings=self.settings)
         return address

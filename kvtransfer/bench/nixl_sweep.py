@@ -18,9 +18,9 @@ from collections import defaultdict
 from typing import Any
 
 from kvtransfer.bench.control import AgentClient, spawn_agent
-from kvtransfer.bench.nixl_agent import import_nixl
 from kvtransfer.bench.report import Progress, Row, format_size
 from kvtransfer.bench.runner import Agents, BenchConfig, agent_cpus, raw_row
+from kvtransfer.nixl_memory import import_nixl
 
 VARIANTS = {
     "read": ("READ", False),
