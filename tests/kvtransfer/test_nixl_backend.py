@@ -6,14 +6,17 @@ lease, kill -9 and outsider tests run it through the `backend` parametrization o
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvtransfer import NixlSettings, NixlTransport, Peer, TransportError
+from kvtransfer.bench import cli
 from tests.kvtransfer.conftest import LAYOUT, NIXL_MISSING
 
 pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
@@ -133,3 +136,24 @@ async def test_receiver_side_close_fails_the_senders_wait(pair: Pair) -> None:
     with pytest.raises(TransportError):
         await asyncio.wait_for(sending, WAIT_S)
     assert pair.to_receiver.lost and not pair.to_receiver._sends  # type: ignore[attr-defined]
+
+
+def test_kvbench_measures_the_nixl_backend_beside_its_variants(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = [
+        "run",
+        "--backend",
+        "nixl,nixl-tensor",
+        "--sizes",
+        "256KiB",
+        "--duration",
+        "0.05",
+        "--repeats",
+        "1",
+    ]
+    argv += ["--ring-bytes", "8MiB", "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["backend"] for r in rows] == ["nixl", "nixl-tensor"]
+    assert all(r["verified"] is True and r["gbps"] > 0 for r in rows)
+    assert all(r["transport"] == "nixl: UCX READ (receiver-pulled)" for r in rows)
