@@ -29,6 +29,7 @@ import torch
 
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
+from kvtransfer.lanes import transport_label
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes
 
@@ -229,7 +230,7 @@ class TcpTransport(Transport):
         self._server = server
         self.address = f"{host}:{server.getsockname()[1]}"
         self._acceptor = asyncio.ensure_future(self._accept_loop())
-        log.info("kv transport listening", backend="tcp", address=self.address)
+        log.info("kv transport listening", backend=self.backend, address=self.address)
         return self.address
 
     @staticmethod
@@ -257,8 +258,20 @@ class TcpTransport(Transport):
         address = await self._accept(_TcpHello(sock), self.connect_timeout_s)
         if address is None:
             sock.close()  # refused: no frame of this connection was or will be read
-        else:
-            self._register_accepted(TcpPeer(address, sock))
+            return
+        try:
+            peer = await self._pair(address, sock, accepted=True)
+        except (ConnectionError, OSError, TimeoutError) as e:
+            sock.close()
+            self._refuse("closed", f"pairing failed after the hello: {e!r}")
+            return
+        self._register_accepted(peer)
+
+    async def _pair(self, address: str, sock: socket.socket, accepted: bool) -> Peer:
+        """The peer on a socket whose hello succeeded, which we `accepted` or connected (a subclass
+        may exchange more on it first, bounded by connect_timeout_s; ConnectionError/OSError/
+        TimeoutError if that fails). Registered as soon as this returns, with no await between."""
+        return TcpPeer(address, sock)
 
     async def _connect(self, address: str, key: bytes) -> Peer:
         host, port = address.rsplit(":", 1)
@@ -268,14 +281,21 @@ class TcpTransport(Transport):
         try:
             await asyncio.wait_for(loop.sock_connect(sock, (host, int(port))), self.connect_timeout_s)
             await self._hello(_TcpHello(sock), key, self.connect_timeout_s)
+            peer = await self._pair(address, sock, accepted=False)
         except (OSError, ConnectionError, TimeoutError) as e:
             sock.close()
             raise TransportError(f"cannot connect to {address}: {e!r}") from e
         except TransportError:
             sock.close()
             raise
-        log.info("kv peer connected", backend="tcp", peer=address, transport="tcp")
-        return TcpPeer(address, sock)
+        log.info(
+            "kv peer connected",
+            backend=self.backend,
+            peer=address,
+            transports=peer.transports,
+            transport=transport_label(peer.transports),
+        )
+        return peer
 
     async def close(self) -> None:
         if self._acceptor is not None:

@@ -19,7 +19,7 @@ from engine.model_dir import MODEL_HELP
 from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
 
 ROLES = ("prefill", "decode", "colocated")
-TRANSFER_BACKENDS = ("ucx", "tcp")
+TRANSFER_BACKENDS = ("ucx", "tcp", "nixl")  # nixl: the `nixl` extra
 
 
 @dataclass(slots=True)
@@ -62,7 +62,9 @@ class WorkerSettings:
                 ".key_secret) and --coordinator-public-key, or --insecure-control-plane"
             )
         if self.transfer_backend not in TRANSFER_BACKENDS:
-            raise ValueError(f"--transfer-backend must be ucx or tcp, got {self.transfer_backend!r}")
+            raise ValueError(
+                f"--transfer-backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
+            )
         if self.lease_ms < 1 or self.queue_lease_ms < 1:
             raise ValueError(
                 f"--lease-ms and --queue-lease-ms must be positive, got {self.lease_ms}, {self.queue_lease_ms}"

@@ -30,7 +30,9 @@ import zmq.asyncio
 
 from engine.block_pool import BlockPool
 from kvtransfer import (
+    BACKENDS,
     KVLayout,
+    NixlSettings,
     SessionAborted,
     SessionConfig,
     SessionKey,
@@ -267,7 +269,8 @@ async def serve(args: argparse.Namespace) -> None:
         options=dict(kv.split("=", 1) for kv in args.ucx_opt),
         tuned=not args.stock,
     )
-    transport = create_transport(args.backend, layout, settings)
+    nixl = NixlSettings(progress_thread=args.nixl_progress_thread, register=args.nixl_register)
+    transport = create_transport(args.backend, layout, settings, nixl=nixl)
     address = await transport.start(args.advertise or args.host, args.port)
     pool = BlockPool(args.num_blocks, layout.block_size)
     if args.fragment is not None:
@@ -314,7 +317,7 @@ async def serve(args: argparse.Namespace) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="kvtransfer.bench.agent", description=__doc__)
-    p.add_argument("--backend", choices=("ucx", "tcp"), required=True)
+    p.add_argument("--backend", choices=BACKENDS, required=True)
     p.add_argument("--layout", required=True, help="KVLayout as JSON")
     p.add_argument("--num-blocks", type=int, required=True)
     p.add_argument("--host", default="127.0.0.1")
@@ -326,6 +329,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--progress-mode", default=UcxSettings().progress_mode)
     p.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--stock", action="store_true", help="UCX with UCXX's stock settings, not ours")
+    p.add_argument(
+        "--nixl-progress-thread",
+        action=argparse.BooleanOptionalAction,
+        default=NixlSettings().progress_thread,
+    )
+    p.add_argument("--nixl-register", default=NixlSettings().register, help="nixl: storage or tensor")
     p.add_argument("--advertise", default=None, help="host peers should dial (default: --host)")
     p.add_argument("--die-with-parent", action="store_true", help="exit when the spawning process dies")
     return p.parse_args(argv)

@@ -4,8 +4,8 @@
     kvbench run --backend ucx --model-shape llama-2l --tokens 128,1k,4k,32k
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
-    kvbench run --backend ucx,tcp,nixl --busy 2           # beside NIXL, 2 busy loops running
-    kvbench run --backend ucx,tcp,nixl --netns --mtu 1500 # two "hosts": namespaces + a veth pair (root)
+    kvbench run --backend ucx,nixl,nixl-raw --busy 2      # beside raw NIXL, 2 busy loops running
+    kvbench run --backend ucx,tcp,nixl-raw --netns --mtu 1500  # two "hosts": namespaces + a veth pair (root)
 
 Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
 one row per point with its ratio to it. Exits 1 when any verification failed.
@@ -47,7 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--backend",
         type=_csv(str),
         default=["ucx", "tcp"],
-        help="ucx, ucx-stock (UCXX defaults), tcp, nixl (NIXL, if installed)",
+        help="ucx, ucx-stock (UCXX defaults), tcp, nixl (our NIXL backend; nixl-tensor, nixl-nothread: "
+        "its per-message registration and no-progress-thread variants), nixl-raw (NIXL driven as "
+        "nixlbench does, the peer row); the nixl ones need NIXL installed",
     )
     run.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES))
     run.add_argument("--depth", type=_csv(int), default=[1], help="messages in flight (a sweep)")
@@ -137,15 +139,22 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [b for b in cfg.backends if b not in known]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(known)}")
-    if "nixl" in cfg.backends:
-        why = (
-            nixl_sweep.nixl_missing()
-            or ("the nixl row has no --model-shape mode yet" if cfg.model_shape else None)
-            or ("the nixl row keeps its rings in host memory (no --device)" if cfg.device != "cpu" else None)
-        )
+    missing = nixl_sweep.nixl_missing()
+    for backend in [b for b in cfg.backends if b.startswith("nixl")]:
+        why = missing
+        if backend == "nixl-raw":
+            why = (
+                why
+                or ("the nixl-raw row has no --model-shape mode yet" if cfg.model_shape else None)
+                or (
+                    "the nixl-raw row keeps its rings in host memory (no --device)"
+                    if cfg.device != "cpu"
+                    else None
+                )
+            )
         if why:
-            print(f"nixl: skipped ({why})", file=sys.stderr)
-            cfg.backends = [b for b in cfg.backends if b != "nixl"]
+            print(f"{backend}: skipped ({why})", file=sys.stderr)
+            cfg.backends.remove(backend)
     if args.netns:
         why = netns.netns_missing() or ("--netns and --peer exclude each other" if cfg.peer else None)
         if why:
@@ -185,7 +194,7 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
     progress = report.Progress(points)
     rows: list[report.Row] = []
     for backend in cfg.backends:
-        if backend == "nixl":
+        if backend == "nixl-raw":
             rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
         elif cfg.model_shape is None:
             rows += await runner.raw_sweep(cfg, backend, memcpy, progress)

@@ -14,8 +14,6 @@ authenticated and NIXL's metadata is taken as given.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import importlib
 import json
 import os
 import sys
@@ -30,17 +28,10 @@ import zmq
 
 from kvtransfer.bench.bench_loops import cpu_seconds, new_ring, percentiles_us, ring_checksums
 from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
+from kvtransfer.nixl_memory import import_nixl
 
 log = structlog.get_logger(__name__)
 INIT_AGENT = "NIXL_INIT_AGENT"
-
-
-def import_nixl() -> Any:
-    """The NIXL Python API (`pip install nixl-cu12`, the `nixl` extra); ImportError says how to get it."""
-    for name in ("nixl_cu12", "nixl"):  # the wheel's module, the meta package's
-        with contextlib.suppress(ImportError):
-            return importlib.import_module(name)
-    raise ImportError("the nixl backend needs NIXL: pip install 'splitserve[nixl]' (nixl-cu12)")
 
 
 class NixlBenchAgent:

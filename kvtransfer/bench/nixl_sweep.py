@@ -1,4 +1,4 @@
-"""kvbench's `nixl` row: NIXL (UCX backend) between two agent processes, measured as our raw rows are.
+"""kvbench's `nixl-raw` row: raw NIXL (UCX backend) between two agent processes, measured as our raw rows are.
 
 Same set-up as `runner.raw_sweep`: two processes, rings beyond the LLC on both sides (sender seeded,
 receiver zeroed), a warm-up run, `repeats` runs of `duration`, the last verified by CRC-32 of every ring
@@ -18,9 +18,9 @@ from collections import defaultdict
 from typing import Any
 
 from kvtransfer.bench.control import AgentClient, spawn_agent
-from kvtransfer.bench.nixl_agent import import_nixl
 from kvtransfer.bench.report import Progress, Row, format_size
 from kvtransfer.bench.runner import Agents, BenchConfig, agent_cpus, raw_row
+from kvtransfer.nixl_memory import import_nixl
 
 VARIANTS = {
     "read": ("READ", False),
@@ -109,7 +109,7 @@ async def _variant_rows(
                         await _run(agents, op, thread, iters, depth, used if i == cfg.repeats - 1 else None)
                         for i in range(cfg.repeats)
                     ]
-                    row = raw_row(cfg, "nixl", size, depth, iters, memcpy[size], agents, warm, runs)
+                    row = raw_row(cfg, "nixl-raw", size, depth, iters, memcpy[size], agents, warm, runs)
                     row["transport"] = f"nixl:UCX {op} thread {'on' if thread else 'off'}"
                     rows.append(((size, depth), row))
     finally:
@@ -120,7 +120,7 @@ async def _variant_rows(
 async def nixl_sweep(cfg: BenchConfig, memcpy: dict[int, float], progress: Progress) -> list[Row]:
     """One row per (size, depth): the best verified variant of `cfg.nixl_variants`."""
     if cfg.peer is not None:
-        raise SystemExit("--backend nixl runs both of its agents on this host (drop --peer)")
+        raise SystemExit("--backend nixl-raw runs both of its agents on this host (drop --peer)")
     unknown = [v for v in cfg.nixl_variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --nixl-variants {unknown}; choose from {sorted(VARIANTS)}")
@@ -137,5 +137,5 @@ async def nixl_sweep(cfg: BenchConfig, memcpy: dict[int, float], progress: Progr
         best["nixl_variants"] = {r["transport"]: r["gbps"] for r in candidates}
         best["verified"] = all(r["verified"] for r in candidates)
         rows.append(best)
-        progress.step(f"nixl {format_size(size)} depth {depth}")
+        progress.step(f"nixl-raw {format_size(size)} depth {depth}")
     return rows

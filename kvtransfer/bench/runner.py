@@ -29,9 +29,13 @@ BACKEND_ARGS = {
     "ucx": ["--backend", "ucx"],
     "ucx-stock": ["--backend", "ucx", "--stock"],
     "tcp": ["--backend", "tcp"],
+    "nixl": ["--backend", "nixl"],
+    "nixl-tensor": ["--backend", "nixl", "--nixl-register", "tensor"],
+    "nixl-nothread": ["--backend", "nixl", "--no-nixl-progress-thread"],
 }
-# Peers measured beside ours, each by its own agent (`kvtransfer.bench.nixl_agent`), local only.
-PEER_BACKENDS = ("nixl",)
+# Peers measured beside ours, each by its own agent (`kvtransfer.bench.nixl_agent`), local only:
+# raw NIXL, as nixlbench drives it (our `nixl` backend is a row of ours).
+PEER_BACKENDS = ("nixl-raw",)
 RAW_LAYOUT = KVLayout("uint8", 1, 1, 1, 1, "kvbench-raw")
 GIB = 1 << 30
 

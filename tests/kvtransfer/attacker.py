@@ -6,8 +6,9 @@ never told its transfer key or any session secret. Used by test_outsider.py.
 SPEC: {"backend", "layout", "target": "host:port", "claim": address to impersonate,
        "messages": [[tag, nbytes], ...] to send under chosen tags, "byte": payload fill value}.
 
-It sends the tagged messages (UCX: straight at the worker, whose tag matching spans endpoints; TCP:
-as RTS/DATA frames, once without any hello and once after a refused one), runs a valid-looking hello
+It sends the tagged messages (UCX: straight at the worker, whose tag matching spans endpoints; TCP,
+and NIXL, whose control socket runs the same hello: as TCP RTS/DATA frames, once without any hello
+and once after a refused one), runs a valid-looking hello
 claiming `claim` with a forged proof, and prints one JSON line: what the target answered.
 """
 
@@ -118,7 +119,7 @@ async def attack_ucx(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     spec = json.loads(sys.argv[1])
-    result = attack_tcp(spec) if spec["backend"] == "tcp" else asyncio.run(attack_ucx(spec))
+    result = attack_tcp(spec) if spec["backend"] in ("tcp", "nixl") else asyncio.run(attack_ucx(spec))
     print(json.dumps(result), flush=True)
 
 

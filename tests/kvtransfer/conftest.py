@@ -12,11 +12,19 @@ import pytest
 
 from kvtransfer import KVLayout
 from kvtransfer.bench.control import AgentClient, SpawnedAgent, spawn_agent
+from kvtransfer.bench.nixl_sweep import nixl_missing
 
 LAYOUT = KVLayout(
     dtype="float16", num_layers=2, block_size=4, num_kv_heads=2, head_dim=8, model_identity="tiny"
 )
 NUM_BLOCKS = 64
+NIXL_MISSING = nixl_missing()
+# Every backend the two-process tests cover; nixl only where it is installed (the `nixl` extra).
+BACKENDS = [
+    "ucx",
+    "tcp",
+    pytest.param("nixl", marks=pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")),
+]
 
 
 def agent_args(
@@ -41,7 +49,7 @@ class Pair:
             assert pool["intact"] and pool["free"] == pool["total"], pool
 
 
-@pytest.fixture(scope="module", params=["ucx", "tcp"])
+@pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 

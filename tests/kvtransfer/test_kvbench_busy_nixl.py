@@ -1,4 +1,4 @@
-"""kvbench's contention and peer rows: `--busy N` loops beside the agents, and the `nixl` row."""
+"""kvbench's contention and peer rows: `--busy N` loops beside the agents, and the `nixl-raw` row."""
 
 from __future__ import annotations
 
@@ -66,10 +66,10 @@ def test_a_negative_busy_count_is_refused() -> None:
 @pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
 def test_nixl_row_is_verified_and_reports_a_ratio(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
-    argv = ["run", "--backend", "nixl", "--sizes", "1MiB", *TOY, "--json", str(out)]
+    argv = ["run", "--backend", "nixl-raw", "--sizes", "1MiB", *TOY, "--json", str(out)]
     assert cli.main([*argv, "--agent-log", str(tmp_path / "a.log")]) == 0
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]
-    assert row["backend"] == "nixl" and row["verified"] is True and row["gbps"] > 0
+    assert row["backend"] == "nixl-raw" and row["verified"] is True and row["gbps"] > 0
     assert row["ratio"] == pytest.approx(row["gbps"] / row["memcpy_gbps"])
     assert len(row["nixl_variants"]) == len(VARIANTS)
     assert row["transport"] in row["nixl_variants"] and row["transport"].startswith("nixl:UCX ")

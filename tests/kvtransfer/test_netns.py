@@ -72,7 +72,7 @@ async def test_session_moves_bit_exact_over_network_lanes_only(cross: Pair) -> N
 async def test_nixl_row_moves_verified_bytes_across_the_link(link: netns.NetnsPair) -> None:
     size = 256 << 10
     cfg = runner.BenchConfig(
-        backends=["nixl"],
+        backends=["nixl-raw"],
         sizes=[size],
         duration_s=0.02,
         repeats=1,

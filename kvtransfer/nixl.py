@@ -1,0 +1,415 @@
+"""NIXL backend: the receiver pulls each message with a one-sided NIXL READ into the buffer it posted.
+
+What it is for: NIXL (UCX underneath) is how vLLM, SGLang, Dynamo and llm-d move KV; this backend
+speaks it behind the same `Transport` / `Peer` / `PostedRecv` contract as the UCX and TCP backends.
+Not the default (docs/kvtransfer.md, "NIXL backend", has the numbers).
+
+Each peer pair has one TCP socket (the TCP backend's listener and hello, kvtransfer.tcp) that carries
+the authenticated hello, then NIXL's connection metadata, then small frames
+`<type:u8, tag:u64, addr:u64, nbytes:u64, device:i32, payload:u32>`; bulk bytes move only by NIXL:
+
+    sender                                  receiver (posted `buf` under tag)
+    register buf's memory; RTS(tag, addr, n, device, NIXL metadata of the registration if new)  ---->
+                                            READ remote (addr, n) -> buf, by NIXL, once posted
+                                  <------   DONE(tag, taken=1) once the READ completed
+    WITHDRAWN(tag) (the send was abandoned) ---->  forget the RTS, DONE(tag, taken=0); a READ already
+                                            started completes first (then DONE(tag, 1))
+
+So no byte lands anywhere the receiver did not post (the receiver initiates every write into its own
+memory), a cancelled receive is never read into (its RTS is never matched), and a receive already
+matched completes. The sender keeps an abandoned buffer registered and alive until that DONE.
+
+Peer death: NIXL has no death callback; the control socket is the liveness channel. On one host a
+killed process's socket is reset by the kernel at once, so PeerLost comes within a loop turn; across
+hosts TCP keepalive (KEEPALIVE_S) bounds it. A failed READ also loses the peer. A READ in flight when
+the peer is lost is cancelled (or waited out) before its receive fails, so nothing lands afterwards.
+
+Registration (`NixlSettings.register`): "storage" registers a tensor's whole storage once (the KV
+pool) and keeps it, an idle staging buffer's for up to nixl_memory.MAX_IDLE_REGIONS; "tensor"
+registers each message's bytes for the operation only. Either way only authenticated peers get NIXL metadata. On one
+host UCX reads by CMA, which no deregistration revokes (measured: a READ after deregistration still
+succeeds): what keeps others out is the hello, as for the UCX backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import struct
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+import torch
+
+from kvtransfer.errors import PeerLost, TransportError
+from kvtransfer.layout import KVLayout
+from kvtransfer.nixl_memory import Reads, Region, Regions, import_nixl
+from kvtransfer.tcp import TcpTransport
+from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, as_bytes
+
+log = structlog.get_logger(__name__)
+
+_FRAME = struct.Struct("<BQQQiI")
+_META, _RTS, _DONE, _WITHDRAWN = 1, 2, 3, 4
+MAX_PAYLOAD = 64 << 10  # NIXL metadata of one registration is a few hundred bytes
+KEEPALIVE_S = 2  # idle seconds before TCP probes a silent peer (then 3 probes, 1 s apart)
+REGISTER_MODES = ("storage", "tensor")
+
+
+@dataclass(frozen=True)
+class NixlSettings:
+    """How the NIXL agent runs. progress_thread: NIXL's own progress thread (the sender's side of a
+    READ progresses without its event loop); register: see the module docstring."""
+
+    progress_thread: bool = True
+    register: str = "storage"
+    connect_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.register not in REGISTER_MODES:
+            raise ValueError(f"register must be one of {REGISTER_MODES}, got {self.register!r}")
+
+
+@dataclass
+class _Recv:
+    buf: torch.Tensor
+    done: asyncio.Future[bool]
+    handle: Any = None  # the READ, once matched
+    region: Region | None = None
+
+
+class NixlPostedRecv(PostedRecv):
+    def __init__(self, peer: NixlPeer, tag: int, recv: _Recv) -> None:
+        self._peer, self._tag, self._recv = peer, tag, recv
+
+    def cancel(self) -> None:
+        if self._recv.handle is None and not self._recv.done.done():
+            self._peer._posted.pop(self._tag, None)
+            self._recv.done.set_result(False)
+
+    async def wait(self) -> bool:
+        return await asyncio.shield(self._recv.done)
+
+
+@dataclass
+class _Send:
+    region: Region
+    buf: torch.Tensor  # alive until the receiver said DONE
+    taken: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    abandoned: bool = False
+
+
+class NixlPeer(Peer):
+    """One authenticated control socket plus the remote NIXL agent `remote`; created by NixlTransport."""
+
+    def __init__(self, address: str, sock: socket.socket, transport: NixlTransport, remote: str) -> None:
+        super().__init__(address)
+        self._sock, self._transport, self.remote = sock, transport, remote
+        self._agent = transport.agent
+        self._loop = asyncio.get_running_loop()
+        self._write_lock = asyncio.Lock()
+        self._posted: dict[int, _Recv] = {}
+        self._rts: dict[int, tuple[int, int, int]] = {}  # tag -> (addr, nbytes, device) before posting
+        self._sends: dict[int, _Send] = {}
+        self._announced: set[int] = set()  # serials of the regions whose metadata the peer has
+        self._backend = "UCX"
+        self._reader = asyncio.ensure_future(self._read_loop())
+
+    @property
+    def transports(self) -> str:
+        return f"nixl: {self._backend} READ (receiver-pulled)"
+
+    # -- frames ------------------------------------------------------------------------------------
+
+    async def _write(
+        self, kind: int, tag: int, addr: int = 0, nbytes: int = 0, device: int = -1, payload: bytes = b""
+    ) -> None:
+        async with self._write_lock:
+            frame = _FRAME.pack(kind, tag, addr, nbytes, device, len(payload)) + payload
+            await self._loop.sock_sendall(self._sock, frame)
+
+    def _spawn_write(self, *args: Any) -> None:
+        task = asyncio.ensure_future(self._write(*args))
+        task.add_done_callback(self._check_write)
+
+    def _check_write(self, task: asyncio.Future[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._fail(repr(task.exception()))
+
+    async def _read_loop(self) -> None:
+        reason = CLOSED_LOCALLY  # cancelled by close()
+        try:
+            while True:
+                self._on_frame(*await read_frame(self._sock))
+        except (ConnectionError, OSError) as e:
+            reason = str(e) or type(e).__name__
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # NIXL refused the peer's metadata or descriptor: a broken peer
+            reason = f"bad frame from peer: {e!r}"
+        finally:
+            self._fail(reason)
+
+    def _on_frame(self, kind: int, tag: int, addr: int, nbytes: int, device: int, payload: bytes) -> None:
+        if kind == _RTS:
+            if payload:
+                self._agent.add_remote_agent(payload)  # the sender's new registration
+            if tag in self._posted:
+                self._start_read(tag, (addr, nbytes, device))
+            else:
+                self._rts[tag] = (addr, nbytes, device)
+        elif kind == _DONE:
+            self._on_done(tag, bool(addr))
+        elif kind == _WITHDRAWN:
+            if self._rts.pop(tag, None) is not None or tag not in self._posted:
+                self._spawn_write(_DONE, tag, 0)
+            # else: a READ is in flight; its completion answers with DONE
+        else:
+            raise ConnectionError(f"bad frame type {kind}")
+
+    # -- receiver side -----------------------------------------------------------------------------
+
+    def post_recv(self, tag: int, buf: torch.Tensor) -> NixlPostedRecv:
+        if self.lost:
+            raise PeerLost(self.lost_reason or "peer lost")
+        if tag in self._posted:
+            raise TransportError(f"a receive for tag {tag:#x} is already posted")
+        as_bytes(buf)  # contiguous, or ValueError before anything is posted
+        recv = self._posted[tag] = _Recv(buf, self._loop.create_future())
+        if tag in self._rts:  # the sender was first
+            try:
+                self._start_read(tag, self._rts.pop(tag))
+            except Exception as e:
+                self._fail(f"cannot read from peer: {e!r}")
+        return NixlPostedRecv(self, tag, recv)
+
+    def _start_read(self, tag: int, remote: tuple[int, int, int]) -> None:
+        """Match the posted receive of `tag` with the sender's buffer `remote`: READ it into ours."""
+        recv = self._posted[tag]
+        addr, nbytes, device = remote
+        flat = as_bytes(recv.buf)
+        if nbytes != flat.numel():
+            raise ConnectionError(f"message {tag:#x} has {nbytes} bytes, the posted receive {flat.numel()}")
+        agent = self._agent
+        region = self._transport.regions.acquire(recv.buf)
+        try:
+            local = agent.get_xfer_descs(flat)
+            far = agent.get_xfer_descs([(addr, nbytes, max(device, 0))], "DRAM" if device < 0 else "VRAM")
+            handle = agent.initialize_xfer("READ", local, far, self.remote)  # NIXL checks `far` is
+        except Exception:  # inside a registration the peer announced; else it raises
+            self._transport.regions.release(region)
+            raise
+        recv.region, recv.handle = region, handle
+        state = agent.transfer(handle)
+        self._transport.reads.watch(recv.handle, state, lambda s: self._read_ended(tag, recv, s))
+
+    def _read_ended(self, tag: int, recv: _Recv, state: str) -> None:
+        if self._backend == "UCX" and state == "DONE":
+            self._backend = self._agent.query_xfer_backend(recv.handle)
+        try:
+            recv.handle.release()
+        except Exception as e:  # NIXL keeps a handle it cannot free; nothing more will land
+            log.warning("nixl transfer handle not released", tag=tag, error=repr(e))
+        assert recv.region is not None
+        self._transport.regions.release(recv.region)
+        self._posted.pop(tag, None)
+        if state == "DONE" and not self.lost:
+            self._spawn_write(_DONE, tag, 1)
+        if not recv.done.done():
+            if state == "DONE":
+                recv.done.set_result(True)
+            else:
+                recv.done.set_exception(PeerLost(self.lost_reason or f"NIXL READ of {tag:#x} failed"))
+        if state != "DONE":
+            self._fail(f"NIXL READ of {tag:#x} failed")
+        if self.lost:
+            self._forget_remote()
+
+    # -- sender side -------------------------------------------------------------------------------
+
+    async def send(self, tag: int, buf: torch.Tensor) -> None:
+        if self.lost:
+            raise PeerLost(self.lost_reason or "peer lost")
+        flat = as_bytes(buf)
+        region = self._transport.regions.acquire(buf)
+        send = self._sends[tag] = _Send(region, buf)
+        metadata = b"" if region.serial in self._announced else region.metadata
+        if self._transport.regions.whole_storage:  # else every region is new: nothing to remember
+            self._announced.add(region.serial)
+        try:
+            await self._write(_RTS, tag, flat.data_ptr(), flat.numel(), flat.get_device(), metadata)
+            await send.taken
+        except asyncio.CancelledError:
+            if not self.lost and tag in self._sends:
+                # The receiver may be reading `buf` now: keep it until its DONE answers WITHDRAWN.
+                send.abandoned = True
+                self._spawn_write(_WITHDRAWN, tag)
+                raise
+            self._finish_send(tag)
+            raise
+        except OSError as e:
+            self._finish_send(tag)
+            raise PeerLost(str(e)) from e
+        except PeerLost:
+            self._finish_send(tag)
+            raise
+
+    def _on_done(self, tag: int, taken: bool) -> None:
+        send = self._sends.get(tag)
+        if send is None:
+            raise ConnectionError(f"DONE for tag {tag:#x}, which we never sent")
+        if not send.taken.done():
+            send.taken.set_result(taken)
+        self._finish_send(tag)
+
+    def _finish_send(self, tag: int) -> None:
+        send = self._sends.pop(tag, None)
+        if send is not None:
+            self._transport.regions.release(send.region)
+
+    # -- loss --------------------------------------------------------------------------------------
+
+    def _fail(self, reason: str) -> None:
+        if self.lost:
+            return
+        self._sock.close()
+        self._mark_lost(reason)
+        for tag, recv in list(self._posted.items()):
+            if recv.handle is None:
+                del self._posted[tag]
+                recv.done.set_exception(PeerLost(reason))
+            else:  # READ in flight: cancel it; its end (now or later) fails the receive
+                try:
+                    recv.handle.release()
+                except Exception:
+                    continue  # NIXL could not cancel it: the watcher reports its end
+                self._transport.reads.forget(recv.handle)
+                recv.handle = _Released()
+                self._read_ended(tag, recv, "ERR")
+        for send in self._sends.values():
+            if not send.taken.done() and not send.abandoned:  # nobody awaits an abandoned one
+                send.taken.set_exception(PeerLost(reason))
+        for tag in [t for t, s in self._sends.items() if s.abandoned]:
+            self._finish_send(tag)
+        self._rts.clear()
+        self._forget_remote()
+
+    def _forget_remote(self) -> None:
+        """Disconnect NIXL from the remote agent once no READ of ours from it is in flight."""
+        if self.remote and not self._posted:
+            self._transport.forget_remote(self.remote)
+            self.remote = ""
+
+    async def close(self) -> None:
+        self._reader.cancel()
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class _Released:
+    """A READ handle NIXL already cancelled and released."""
+
+    def release(self) -> None:
+        pass
+
+
+async def read_frame(sock: socket.socket) -> tuple[int, int, int, int, int, bytes]:
+    """One control frame (payload at most MAX_PAYLOAD); ConnectionError when it broke."""
+    loop = asyncio.get_running_loop()
+
+    async def exactly(n: int) -> bytes:
+        out = b""
+        while len(out) < n:
+            chunk = await loop.sock_recv(sock, n - len(out))
+            if not chunk:
+                raise ConnectionError("connection closed by peer")
+            out += chunk
+        return out
+
+    kind, tag, addr, nbytes, device, size = _FRAME.unpack(await exactly(_FRAME.size))
+    if size > MAX_PAYLOAD:
+        raise ConnectionError(f"frame payload of {size} bytes (at most {MAX_PAYLOAD})")
+    return kind, tag, addr, nbytes, device, await exactly(size) if size else b""
+
+
+class NixlTransport(TcpTransport):
+    """The NIXL backend: the TCP backend's listener, hello and sockets for control and liveness,
+    one NIXL agent per process for the bytes. See the module docstring."""
+
+    backend = "nixl"
+
+    def __init__(
+        self, layout: KVLayout, settings: NixlSettings | None = None, key: bytes | None = None
+    ) -> None:
+        self.settings = settings or NixlSettings()
+        super().__init__(layout, key, self.settings.connect_timeout_s)
+        self.agent: Any = None
+        self._nixl: Any = None
+        self.name = f"splitserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.regions: Regions
+        self.reads: Reads
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        self._nixl = nixl = import_nixl()
+        config = nixl.nixl_agent_config(enable_prog_thread=self.settings.progress_thread, backends=["UCX"])
+        self.agent = nixl.nixl_agent(self.name, config)
+        self.regions = Regions(self.agent, self.settings.register == "storage")
+        self.reads = Reads(self.agent)
+        address = await super().start(host, port)
+        log.info("nixl agent ready", name=self.name, settings=self.settings)
+        return address
+
+    @staticmethod
+    def _tune(sock: socket.socket) -> None:
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, 3)
+
+    async def _exchange_metadata(self, sock: socket.socket, accepted: bool) -> str:
+        """After the hello: swap NIXL agent names and connection metadata (only connection info:
+        registrations travel with the RTS that needs them); the remote agent's name. The connecting
+        side speaks first, so the accepting side has its peer registered by the time `connect` returns."""
+        bindings = self._nixl._bindings
+        metadata = self.agent.get_partial_agent_metadata(bindings.nixlRegDList(bindings.DRAM_SEG), True)
+        blob = json.dumps({"name": self.name, "metadata": metadata.hex()}).encode()
+        ours = _FRAME.pack(_META, 0, 0, 0, -1, len(blob)) + blob
+        loop = asyncio.get_running_loop()
+        if not accepted:
+            await loop.sock_sendall(sock, ours)
+        kind, *_, payload = await read_frame(sock)
+        try:
+            theirs = json.loads(payload) if kind == _META else {}
+            name = self.agent.add_remote_agent(bytes.fromhex(theirs["metadata"]))
+        except Exception as e:  # not JSON, no or bad metadata, NIXL refused it
+            raise ConnectionError(f"no valid NIXL metadata after the hello: {e!r}") from e
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != theirs.get("name"):
+            self.forget_remote(name)
+            raise ConnectionError(
+                f"NIXL metadata names agent {name!r}, the peer claimed {theirs.get('name')!r}"
+            )
+        if accepted:
+            await loop.sock_sendall(sock, ours)
+        return name
+
+    async def _pair(self, address: str, sock: socket.socket, accepted: bool) -> Peer:
+        async with asyncio.timeout(self.connect_timeout_s):  # no task of its own: no await after it
+            remote = await self._exchange_metadata(sock, accepted)
+        return NixlPeer(address, sock, self, remote)
+
+    def forget_remote(self, name: str) -> None:
+        try:
+            self.agent.remove_remote_agent(name)
+        except Exception as e:  # already gone
+            log.debug("nixl remote agent not removed", remote=name, error=repr(e))
+
+    async def close(self) -> None:
+        await super().close()
+        if self.agent is not None:
+            self.regions.close()

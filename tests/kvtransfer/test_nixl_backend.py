@@ -1,0 +1,159 @@
+"""The NIXL backend's own contract, in-process over real loopback sockets and real NIXL agents: the
+hello refuses a wrong key before any NIXL metadata moves, cancel and match semantics, exactly-once
+completion, and what each registration mode keeps registered. (The two-process session, abort,
+lease, kill -9 and outsider tests run it through the `backend` parametrization of conftest.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtransfer import NixlSettings, NixlTransport, Peer, TransportError
+from kvtransfer.bench import cli
+from tests.kvtransfer.conftest import LAYOUT, NIXL_MISSING
+
+pytestmark = pytest.mark.skipif(NIXL_MISSING is not None, reason=f"nixl: {NIXL_MISSING}")
+WAIT_S = 30.0
+
+
+async def _until(condition: object, what: str) -> None:
+    """Bounded wait for a condition only another task can make true."""
+    deadline = time.monotonic() + WAIT_S
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        await asyncio.sleep(0.001)  # poll interval of a bounded wait
+
+
+class Pair:
+    def __init__(self, settings: NixlSettings) -> None:
+        self.recv_side, self.send_side = NixlTransport(LAYOUT, settings), NixlTransport(LAYOUT, settings)
+        self.to_sender: Peer
+        self.to_receiver: Peer
+
+    async def start(self) -> None:
+        await self.recv_side.start()
+        await self.send_side.start()
+        self.to_sender = await self.recv_side.connect(self.send_side.address, self.send_side.key)
+        await _until(lambda: self.send_side.peer(self.recv_side.address) is not None, "accepted")
+        peer = self.send_side.peer(self.recv_side.address)
+        assert peer is not None
+        self.to_receiver = peer
+
+    async def close(self) -> None:
+        await self.recv_side.close()
+        await self.send_side.close()
+
+
+@pytest.fixture(params=["storage", "tensor"])
+async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
+    p = Pair(NixlSettings(register=request.param))
+    await p.start()
+    yield p
+    await p.close()
+
+
+async def test_wrong_key_is_refused_before_any_nixl_metadata_moves() -> None:
+    listener, other = NixlTransport(LAYOUT), NixlTransport(LAYOUT)
+    await listener.start()
+    await other.start()
+    try:
+        with pytest.raises(TransportError, match="does not hold the transfer key"):
+            await other.connect(listener.address, secrets.token_bytes(32))
+        await _until(lambda: listener.refused["closed"] + listener.refused["auth"] >= 1, "refusal counted")
+        assert listener.peer(other.address) is None
+        # Neither agent learned the other's NIXL connection metadata.
+        assert not other.agent.check_remote_metadata(listener.name)
+        assert not listener.agent.check_remote_metadata(other.name)
+        peer = await other.connect(listener.address, listener.key)
+        assert peer.transports.startswith("nixl: UCX")
+        assert other.agent.check_remote_metadata(listener.name)
+    finally:
+        await other.close()
+        await listener.close()
+
+
+async def test_bytes_land_exactly_once_and_a_matched_receive_outlives_cancel(pair: Pair) -> None:
+    src = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    # Posted first, sender second.
+    posted = pair.to_sender.post_recv(1, dst)
+    await asyncio.wait_for(pair.to_receiver.send(1, src), WAIT_S)
+    assert await posted.wait() and torch.equal(dst, src)
+    posted.cancel()  # after completion: changes nothing
+    assert await posted.wait()
+    # Sender first: posting matches at once, so a cancel right after it cannot withdraw the receive.
+    dst.zero_()
+    sending = asyncio.ensure_future(pair.to_receiver.send(2, src))
+    await _until(lambda: 2 in pair.to_sender._rts, "the RTS arrived")  # type: ignore[attr-defined]
+    late = pair.to_sender.post_recv(2, dst)
+    late.cancel()
+    assert await asyncio.wait_for(late.wait(), WAIT_S) and torch.equal(dst, src)
+    await asyncio.wait_for(sending, WAIT_S)
+
+
+async def test_a_cancelled_receive_is_never_read_into(pair: Pair) -> None:
+    src = torch.full((1 << 20,), 7, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    posted = pair.to_sender.post_recv(3, dst)
+    posted.cancel()
+    assert not await posted.wait()
+    sending = asyncio.ensure_future(pair.to_receiver.send(3, src))
+    await _until(lambda: 3 in pair.to_sender._rts, "the RTS arrived")  # type: ignore[attr-defined]
+    sending.cancel()  # the session's abort: WITHDRAWN, answered by DONE(taken=0)
+    await asyncio.gather(sending, return_exceptions=True)
+    await _until(lambda: not pair.to_receiver._sends, "the sender released its buffer")  # type: ignore[attr-defined]
+    assert int(dst.count_nonzero()) == 0
+    assert not pair.to_sender._rts  # type: ignore[attr-defined]
+
+
+async def test_registration_modes(pair: Pair) -> None:
+    """storage: the pool's storage is registered once and stays; tensor: nothing outlives its message."""
+    pool = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
+    dst_pool = torch.zeros_like(pool)
+    for i in range(8):
+        posted = pair.to_sender.post_recv(100 + i, dst_pool[2 * i : 2 * i + 2])
+        await asyncio.wait_for(pair.to_receiver.send(100 + i, pool[2 * i : 2 * i + 2]), WAIT_S)
+        assert await posted.wait()
+    assert torch.equal(dst_pool, pool)
+    sender, receiver = pair.send_side.regions._live, pair.recv_side.regions._live
+    if pair.send_side.settings.register == "storage":
+        assert [key[1] for key in sender] == [pool.numel()] and [key[1] for key in receiver] == [pool.numel()]
+    else:
+        assert not sender and not receiver
+
+
+async def test_receiver_side_close_fails_the_senders_wait(pair: Pair) -> None:
+    sending = asyncio.ensure_future(pair.to_receiver.send(9, torch.ones(4096, dtype=torch.uint8)))
+    await _until(lambda: 9 in pair.to_sender._rts, "the RTS arrived")  # type: ignore[attr-defined]
+    await pair.to_sender.close()
+    with pytest.raises(TransportError):
+        await asyncio.wait_for(sending, WAIT_S)
+    assert pair.to_receiver.lost and not pair.to_receiver._sends  # type: ignore[attr-defined]
+
+
+def test_kvbench_measures_the_nixl_backend_beside_its_variants(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = [
+        "run",
+        "--backend",
+        "nixl,nixl-tensor",
+        "--sizes",
+        "256KiB",
+        "--duration",
+        "0.05",
+        "--repeats",
+        "1",
+    ]
+    argv += ["--ring-bytes", "8MiB", "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["backend"] for r in rows] == ["nixl", "nixl-tensor"]
+    assert all(r["verified"] is True and r["gbps"] > 0 for r in rows)
+    assert all(r["transport"] == "nixl: UCX READ (receiver-pulled)" for r in rows)
