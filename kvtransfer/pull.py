@@ -1,7 +1,7 @@
 """One-sided pull sessions: the decode side reads the prompt's KV out of the prefill side's pool.
 
-The prefill worker (P) maps its whole KV pool for remote reads once (`ucx_rma.MemRegion`, owned by
-the worker, closed at shutdown) and tells the decode worker (D), over the authenticated control
+The prefill worker (P) maps its whole KV pool for remote reads once (`MappedPool`, owned by the
+worker, closed at shutdown) and tells the decode worker (D), over the authenticated control
 plane, the pool's `PoolSource` (packed remote key, base address, length) and, chunk by chunk as
 prefill makes blocks final, the source block ids of the request. D alone chooses every destination:
 it reads each chunk into the blocks it reserved, one `ucp_get_nbx` per run of blocks consecutive
@@ -31,11 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtransfer.errors import PeerLost, SessionAborted
-from kvtransfer.plan import coalesce_runs
+from kvtransfer.errors import PeerLost, SessionAborted, TransportError
+from kvtransfer.plan import Message, coalesce_runs
 from kvtransfer.session import Release, SessionConfig, SessionKey, SessionState, SinkSession, SourceSession
-from kvtransfer.transport import Peer
-from kvtransfer.ucx_rma import GetRun, MemRegion, RemoteKey, Rma, RmaError
+from kvtransfer.transport import Peer, Transport
+from kvtransfer.ucx import UcxTransport
+from kvtransfer.ucx_rma import GetRun, RemoteKey, Rma, RmaError
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,9 +47,30 @@ class PoolSource:
     base: int
     length: int
 
-    @classmethod
-    def of(cls, region: MemRegion) -> PoolSource:
-        return cls(region.rkey, region.address, region.length)
+
+def chunk_plan(num_blocks: int) -> list[Message]:
+    """The chunking plan of a pull session: one `Message` per logical block, so a KVChunkReady can
+    announce every block that is final (reads need no plan both sides derive alike)."""
+    return [Message(i, i, i + 1, True) for i in range(num_blocks)]
+
+
+class MappedPool:
+    """This process's KV cache mapped for one-sided reads on the transport's UCX worker, once for
+    the worker's life: P's so D can read it, D's so gets land in registered memory. The owner
+    (the worker) closes it at shutdown, before closing the transport."""
+
+    def __init__(self, transport: Transport, cache: torch.Tensor) -> None:
+        if not isinstance(transport, UcxTransport):
+            raise TransportError(f"one-sided pull needs the ucx transfer backend, not {transport.backend}")
+        self.rma: Rma = transport.rma
+        self.region = self.rma.register(cache)
+
+    def source(self) -> PoolSource:
+        """What a reader needs, for the control plane."""
+        return PoolSource(self.region.rkey, self.region.address, self.region.length)
+
+    def close(self) -> None:
+        self.region.close()
 
 
 class PullSendSession(SourceSession):
@@ -84,13 +106,12 @@ class PullRecvSession(SinkSession):
         cache: torch.Tensor,
         block_ids: Sequence[int],
         release: Release,
-        rma: Rma,
-        local: MemRegion,
+        pool: MappedPool,
         source: PoolSource,
         config: SessionConfig | None = None,
     ) -> None:
         super().__init__(peer, key, secret, cache, block_ids, [], release, config)
-        self._rma, self._local, self._source = rma, local, source
+        self._pool, self._source = pool, source
         self._block_bytes = cache[0].numel() * cache.element_size()
         self._gets: list[asyncio.Future[None]] = []
         self._pulled = 0
@@ -128,7 +149,7 @@ class PullRecvSession(SinkSession):
             GetRun(dst_base + r.dst * bb, base + r.src * bb, r.n * bb)
             for r in coalesce_runs(src_ids, self.block_ids[start : start + len(src_ids)], start)
         ]
-        future = self._rma.get(self._rkey, runs, self._local)
+        future = self._pool.rma.get(self._rkey, runs, self._pool.region)
         future.add_done_callback(self._landed)
         self._gets.append(future)
         self._pulled += len(src_ids)

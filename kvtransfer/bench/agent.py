@@ -40,6 +40,7 @@ from kvtransfer import (
 )
 from kvtransfer.bench import bench_loops
 from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
+from kvtransfer.bench.get_loops import GetLoops
 from kvtransfer.bench.pattern import blocks_filled_with, blocks_match, fill_blocks, fill_sentinel, is_sentinel
 from kvtransfer.bench.pull_ops import PullOps
 from kvtransfer.checksum import block_checksums
@@ -66,8 +67,9 @@ def fragment_pool(pool: BlockPool, seed: int) -> None:
         pool.free(run)
 
 
-class Agent(PullOps):
-    """Serves control requests; each request runs as its own task (pull ops: `PullOps`)."""
+class Agent(PullOps, GetLoops):
+    """Serves control requests; each request runs as its own task (pull ops: `PullOps`; kvbench's
+    one-sided loops: `GetLoops`)."""
 
     def __init__(self, transport: Transport, pool: BlockPool, cache: torch.Tensor) -> None:
         self.transport, self.pool, self.cache = transport, pool, cache

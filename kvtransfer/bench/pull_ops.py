@@ -16,11 +16,9 @@ import torch
 from engine.block_pool import BlockPool
 from kvtransfer.bench.pattern import fill_blocks, fill_sentinel
 from kvtransfer.plan import new_session_secret
-from kvtransfer.pull import PoolSource, PullRecvSession, PullSendSession
+from kvtransfer.pull import MappedPool, PoolSource, PullRecvSession, PullSendSession
 from kvtransfer.session import RecvSession, SendSession, SessionConfig, SessionKey
 from kvtransfer.transport import Transport
-from kvtransfer.ucx import UcxTransport
-from kvtransfer.ucx_rma import MemRegion
 
 
 class PullOps:
@@ -32,24 +30,19 @@ class PullOps:
     recv_sessions: dict[SessionKey, RecvSession | PullRecvSession]
     send_sessions: dict[SessionKey, SendSession | PullSendSession]
     _peer: Callable[[str], Any]
-    _region: MemRegion | None = None
+    _pool_map: MappedPool | None = None
     # every pull session this agent received in, ended ones included (a test pulls on an ended one)
     pull_recv: dict[SessionKey, PullRecvSession]
 
-    def _ucx(self) -> UcxTransport:
-        if not isinstance(self.transport, UcxTransport):
-            raise ValueError("one-sided pull needs the ucx backend")
-        return self.transport
-
-    def _rma_region(self) -> MemRegion:
-        """The whole cache mapped once for the agent's life (the worker's choice, kvtransfer.pull)."""
-        if self._region is None:
-            self._region = self._ucx().rma.register(self.cache)
-        return self._region
+    def _mapped(self) -> MappedPool:
+        """The whole cache mapped once for the agent's life, as a worker maps it (kvtransfer.pull)."""
+        if self._pool_map is None:
+            self._pool_map = MappedPool(self.transport, self.cache)
+        return self._pool_map
 
     async def op_pull_expose(self) -> dict[str, Any]:
-        region = self._rma_region()
-        return {"rkey": region.rkey.hex(), "base": region.address, "length": region.length}
+        source = self._mapped().source()
+        return {"rkey": source.rkey.hex(), "base": source.base, "length": source.length}
 
     async def op_pull_source(
         self,
@@ -85,7 +78,7 @@ class PullOps:
         pool_source = PoolSource(bytes.fromhex(source["rkey"]), int(source["base"]), int(source["length"]))
         session = PullRecvSession(
             self._peer(peer), SessionKey(rid, gen), new_session_secret(), self.cache, ids, self.pool.free,
-            self._ucx().rma, self._rma_region(), pool_source, SessionConfig(**(config or {})),
+            self._mapped(), pool_source, SessionConfig(**(config or {})),
         )  # fmt: skip
         self.recv_sessions[session.key] = self.pull_recv[session.key] = session
         return {"block_ids": ids, "state": session.state.value}

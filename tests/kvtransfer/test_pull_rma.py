@@ -7,10 +7,14 @@ the runs differ on each side. Every scenario ends with both pools fully free and
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from engine.worker.settings import WorkerSettings
+from kvtransfer.bench import cli
 from kvtransfer.bench.control import AgentError, SpawnedAgent
 from kvtransfer.plan import Run, coalesce_runs
 from tests.kvtransfer.conftest import Pair, connect_pair
@@ -134,3 +138,39 @@ async def test_kill_either_side_mid_session_frees_the_survivor(
     assert pool["intact"] and pool["free"] == pool["total"], pool
     pair.recv.close()
     pair.send.close()
+
+
+def test_kvbench_ucx_get_row_is_measured_and_verified(tmp_path: Path) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = ["run", "--backend", "ucx-get", "--sizes", "256KiB", "--depth", "1,4", "--duration", "0.05"]
+    argv += [
+        "--repeats",
+        "1",
+        "--ring-bytes",
+        "4MiB",
+        "--json",
+        str(out),
+        "--agent-log",
+        str(tmp_path / "a.log"),
+    ]
+    assert cli.main(argv) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["backend"], r["depth"]) for r in rows] == [("ucx-get", 1), ("ucx-get", 4)]
+    for r in rows:
+        assert r["verified"] is True and r["gbps"] > 0 and r["iters"] >= 16  # the whole ring, rotated
+        assert r["ratio"] == pytest.approx(r["gbps"] / r["memcpy_gbps"])
+
+
+def test_pull_mode_needs_the_ucx_backend() -> None:
+    base = {
+        "role": "decode",
+        "model": "tiny",
+        "coordinator": "h:1",
+        "worker_id": "d",
+        "insecure_control_plane": True,
+    }
+    assert WorkerSettings(**base, kv_transfer_mode="pull").kv_transfer_mode == "pull"
+    with pytest.raises(ValueError, match="needs --transfer-backend ucx"):
+        WorkerSettings(**base, kv_transfer_mode="pull", transfer_backend="tcp")
+    with pytest.raises(ValueError, match="push or pull"):
+        WorkerSettings(**base, kv_transfer_mode="pul")
