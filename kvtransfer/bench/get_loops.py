@@ -6,7 +6,7 @@ the LLC on both sides, a warm-up run, `repeats` runs sized to `--duration`, the 
 get from post to completion, `depth` gets in flight. The sender maps each ring buffer once and does
 nothing while the bytes move; its CPU is still counted (UCX's progress thread included).
 
-Agent side: `GetLoops` is a mixin of `Agent` (ops `get_expose`, `bench_get`, `get_sender_state`).
+Agent side: `GetLoops` is a mixin of `Agent` (ops `get_expose`, `bench_get`, `get_sender_state`, `gets_done`).
 """
 
 from __future__ import annotations
@@ -33,6 +33,11 @@ class GetLoops:
     loops: BenchLoops
     _exposed: list[MemRegion] | None = None
     _local: list[MemRegion] | None = None
+    gets_done = 0  # bench gets completed over this agent's life
+
+    async def op_gets_done(self) -> dict[str, Any]:
+        """How many bench gets completed so far (a test's readiness probe for a running stream)."""
+        return {"gets": self.gets_done}
 
     def _ucx(self) -> UcxTransport:
         if not isinstance(self.transport, UcxTransport):
@@ -69,6 +74,7 @@ class GetLoops:
         slots = asyncio.Semaphore(depth)
         latencies: list[float] = []
         done_at: list[float] = []
+        failures: list[Exception] = []
 
         async def one(i: int, key: RemoteKey) -> None:
             try:
@@ -78,6 +84,10 @@ class GetLoops:
                 await rma.get(key, [run], self._local[j] if self._local else None)
                 latencies.append(time.perf_counter() - t0)
                 done_at.append(loop.time())
+                self.gets_done += 1
+            except Exception as e:
+                failures.append(e)
+                raise
             finally:
                 slots.release()
 
@@ -86,6 +96,8 @@ class GetLoops:
         try:
             for i in range(iters):
                 await slots.acquire()
+                if failures:  # the peer is gone: stop posting, report the first failure below
+                    break
                 gets.append(asyncio.ensure_future(one(i, keys[i % len(keys)])))
             await asyncio.gather(*gets)
         finally:

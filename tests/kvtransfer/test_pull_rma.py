@@ -6,8 +6,10 @@ the runs differ on each side. Every scenario ends with both pools fully free and
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -174,3 +176,38 @@ def test_pull_mode_needs_the_ucx_backend() -> None:
         WorkerSettings(**base, kv_transfer_mode="pull", transfer_backend="tcp")
     with pytest.raises(ValueError, match="push or pull"):
         WorkerSettings(**base, kv_transfer_mode="pul")
+
+
+@pytest.mark.parametrize("victim", ["sender", "receiver"])
+async def test_kill_either_side_mid_get_stream(
+    own_agents: tuple[SpawnedAgent, SpawnedAgent], victim: str
+) -> None:
+    """kill -9 while 64 MiB gets are in flight (on one host: D's CMA reads of P's memory): a dead P
+    fails D's gets (D keeps serving); a dead D leaves P untouched (P took no part)."""
+    pair = await connect_pair(*own_agents)
+    size = 64 << 20
+    await pair.send.call("ring", size=size, seed=1, ring_bytes=4 * size)
+    await pair.recv.call("ring", size=size, ring_bytes=4 * size)
+    sources = (await pair.send.call("get_expose"))["sources"]
+    stream = asyncio.ensure_future(
+        pair.recv.call(
+            "bench_get", peer=pair.sender.address, sources=sources, iters=1 << 20, depth=2, timeout=60
+        )
+    )
+    deadline = time.monotonic() + 60
+    while (await pair.recv.call("gets_done"))["gets"] < 3:  # a bounded readiness probe
+        assert time.monotonic() < deadline, "the get stream did not start"
+        await asyncio.sleep(0.01)
+    if victim == "sender":
+        pair.sender.process.kill()
+        with pytest.raises(AgentError, match=r"RmaError|PeerLost"):
+            await stream
+        assert pair.receiver.process.poll() is None, "D died with P"
+        await pair.recv.call("pool")  # still serving
+    else:
+        pair.receiver.process.kill()
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
+        assert (await pair.send.call("pool"))["intact"]
+    pair.recv.close()
+    pair.send.close()
