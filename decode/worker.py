@@ -8,6 +8,8 @@ Decode with a prefill peer (disaggregated):
                         Reserved to P; queue lease armed (--queue-lease-ms: P's queue may be long)
     PrefillProgress ──► P runs it: the lease (--lease-ms) starts, renewed by each one and each KVChunkReady
     KVChunkReady ──► counted (the receives are already posted); lease renewed
+    (--kv-transfer-mode pull: Reserved.pull; no receives posted; each KVChunkReady names P's source
+     blocks and D reads them into its reserved ones, the first one opening a PullRecvSession)
     KVDone ──► every announced chunk and every message landed?
            ├─ yes ──► joins the batch with token 1 as its next input (never recomputed); KVAck(ok)
            └─ no ───► KVAck(failed) to P, Abort(PEER_FAILED) to the coordinator, blocks released
@@ -39,6 +41,8 @@ from engine.worker.stepper import StepReport, ema
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError, new_session_secret
 from kvtransfer.lanes import transport_label
+from kvtransfer.pull import PoolSource, PullRecvSession
+from kvtransfer.session import SinkSession
 from splitserve import wire
 from splitserve.control import Received
 from splitserve.v1 import control_pb2, serving_pb2
@@ -54,11 +58,13 @@ class DecodeRequest(WorkerRequest):
 
     reserved_blocks: list[int] = field(default_factory=list)
     kv_start_token: int = 0
-    session: RecvSession | None = None
+    session: SinkSession | None = None
+    pull: bool = False  # D reads the KV itself (Reserved.pull); the session opens at chunk 0
     release_session: Callable[[list[int]], None] | None = None
     chunks: set[int] = field(default_factory=set)
     first_chunk_at: float | None = None
     kv_done: control_pb2.KVDone | None = None
+    kv_done_at: float | None = None
     running: bool = False
     first_token_sent: bool = False
     kv_transfer_ms: float | None = None
@@ -127,12 +133,15 @@ class DecodeWorker(WorkerRole):
             return
         if not self.is_current(r):
             return  # aborted while connecting
-        r.release_session = self.plane.hold(ids)
-        key, secret = session_key(r.rid, r.generation), new_session_secret()  # goes out in Reserved only
-        queued = replace(self.plane.config, lease_s=max(queue_ms, self.settings.lease_ms) / 1e3)
-        r.session = RecvSession(peer, key, secret, self.plane.cache, ids, r.release_session, queued)
-        r.session.start()  # receives posted before P can learn the block ids
-        self.spawn(self._receive, r, r.session)
+        secret = new_session_secret()  # goes out in Reserved only
+        r.pull = self.plane.pull
+        if not r.pull:
+            r.release_session = self.plane.hold(ids)
+            key = session_key(r.rid, r.generation)
+            queued = replace(self.plane.config, lease_s=max(queue_ms, self.settings.lease_ms) / 1e3)
+            r.session = RecvSession(peer, key, secret, self.plane.cache, ids, r.release_session, queued)
+            r.session.start()  # receives posted before P can learn the block ids
+            self.spawn(self._receive, r, r.session)
         reserved = control_pb2.Reserved(
             rid=r.rid,
             generation=r.generation,
@@ -141,6 +150,7 @@ class DecodeWorker(WorkerRole):
             kv_start_token=r.kv_start_token,
             lease_ms=self.settings.lease_ms,
             transfer_secret=secret,
+            pull=r.pull,
         )
         if not await self.to_peer(r.peer, reserved=reserved):
             await self.fail(r, PEER_FAILED, "prefill worker not reading")
@@ -188,13 +198,43 @@ class DecodeWorker(WorkerRole):
         self._progress(r)
         if r.first_chunk_at is None:
             r.first_chunk_at = time.monotonic()
+        if r.pull:
+            await self._pull_chunk(r, c)
+
+    async def _pull_chunk(self, r: DecodeRequest, c: control_pb2.KVChunkReady) -> None:
+        """Pull: read the chunk's blocks from P (one get per coalesced run, kvtransfer.pull); the
+        first chunk opens the session with the pool it names."""
+        assert self.plane is not None and r.peer is not None
+        try:
+            src = wire.unpack_ids(c.src_block_ids)
+            if len(src) != c.num_blocks:
+                raise ValueError(f"chunk {c.chunk_index} names {len(src)} source blocks for {c.num_blocks}")
+            if r.session is None:
+                if not c.HasField("pool"):
+                    raise ValueError("the first chunk names no KV pool to read")
+                # the connection _reserve opened (no await here: chunks arrive back to back)
+                peer = self.plane.transport.peer(r.peer.transfer_address)
+                if peer is None or peer.lost:
+                    raise TransportError("the KV connection to the prefill worker is gone")
+                source = PoolSource(c.pool.rkey, c.pool.base, c.pool.length)
+                r.release_session = self.plane.hold(r.reserved_blocks)
+                key, cache = session_key(r.rid, r.generation), self.plane.cache
+                r.session = PullRecvSession(
+                    peer, key, new_session_secret(), cache, r.reserved_blocks, r.release_session,
+                    self.plane.mapped_pool(), source, self.plane.config,
+                )  # fmt: skip
+                self.spawn(self._receive, r, r.session)
+            assert isinstance(r.session, PullRecvSession)
+            r.session.pull(c.first_block, src)
+        except (ValueError, TransportError, SessionAborted) as exc:
+            await self.fail(r, PEER_FAILED, f"KV pull failed: {exc}")
 
     async def handle_kv_done(self, msg: Received) -> None:
         k = msg.envelope.kv_done
         r: DecodeRequest | None = self.current(k.rid, k.generation, "kv_done", msg.sender)
-        if r is None or r.kv_done is not None or r.session is None or r.peer is None:
+        if r is None or r.kv_done is not None or r.peer is None or (r.session is None and not r.pull):
             return
-        r.kv_done = k
+        r.kv_done, r.kv_done_at = k, time.monotonic()
         if k.finish_reason != serving_pb2.FINISH_REASON_UNSPECIFIED:
             # token 1 ended it (P reported it): nothing to generate; the receives are cancelled
             await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
@@ -205,16 +245,19 @@ class DecodeWorker(WorkerRole):
             error = f"KVDone covers {k.num_tokens} tokens, the sequence has {r.num_kv_tokens}"
         elif len(r.chunks) != k.num_chunks:
             error = f"KVDone counts {k.num_chunks} chunks, {len(r.chunks)} were announced"
+        elif r.session is None:
+            error = "KVDone before any chunk"
         if error is not None:
             ack = control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=False, error=error)
             await self.to_peer(r.peer, kv_ack=ack)
             await self.fail(r, PEER_FAILED, error)
             return
         self.rearm_lease(r, "KV not landed within the lease")  # now it bounds the last receives
+        assert r.session is not None
         r.session.renew(self.settings.lease_ms / 1e3)
         r.session.mark_done(k.token_id)
 
-    async def _receive(self, r: DecodeRequest, session: RecvSession) -> None:
+    async def _receive(self, r: DecodeRequest, session: SinkSession) -> None:
         """Wait for the session's end: every message landed after KVDone (join the batch), or abort."""
         try:
             token = await session.wait()  # the transfer's end; bounded by the session's and our lease
@@ -239,8 +282,11 @@ class DecodeWorker(WorkerRole):
             )
         r.log.info("kv received", blocks=len(r.reserved_blocks), chunks=len(r.chunks), transport=transport)
         await self.to_peer(r.peer, kv_ack=control_pb2.KVAck(rid=r.rid, generation=r.generation, ok=True))
-        r.running, r.first_token_sent, r.kv_transfer_ms = True, True, r.kv_done.kv_transfer_ms
-        self.kv_transfer_ms = ema(self.kv_transfer_ms, r.kv_done.kv_transfer_ms)
+        kv_ms = r.kv_done.kv_transfer_ms
+        if r.pull and r.kv_done_at is not None:  # P's part ends at KVDone; the last reads are ours
+            kv_ms += (time.monotonic() - r.kv_done_at) * 1e3
+        r.running, r.first_token_sent, r.kv_transfer_ms = True, True, kv_ms
+        self.kv_transfer_ms = ema(self.kv_transfer_ms, kv_ms)
         self.engine.join(r.seq, token)
         self.stepper.wake()
 

@@ -72,6 +72,32 @@ def consecutive_start(ids: Sequence[int]) -> int | None:
     return first if all(b == first + i for i, b in enumerate(ids)) else None
 
 
+@dataclass(frozen=True, slots=True)
+class Run:
+    """Logical blocks `[start, start + n)` whose src ids and dst ids are both consecutive."""
+
+    start: int
+    src: int
+    dst: int
+    n: int
+
+
+def coalesce_runs(src_ids: Sequence[int], dst_ids: Sequence[int], start: int = 0) -> list[Run]:
+    """Cut the pairs `(src_ids[i], dst_ids[i])` (logical block `start + i`) into the fewest runs in
+    which both ids step by one: each run is one contiguous read into one contiguous destination
+    (one one-sided get, kvtransfer.pull)."""
+    if len(src_ids) != len(dst_ids):
+        raise ValueError(f"{len(src_ids)} source ids for {len(dst_ids)} destination ids")
+    runs: list[Run] = []
+    for i, (s, d) in enumerate(zip(src_ids, dst_ids, strict=True)):
+        last = runs[-1] if runs else None
+        if last is not None and s == last.src + last.n and d == last.dst + last.n:
+            runs[-1] = Run(last.start, last.src, last.dst, last.n + 1)
+        else:
+            runs.append(Run(start + i, s, d, 1))
+    return runs
+
+
 def plan_messages(
     dst_ids: Sequence[int], block_bytes: int, max_message_bytes: int, min_direct_bytes: int
 ) -> list[Message]:

@@ -157,7 +157,51 @@ class _Session(ABC):
         """Wind down in-flight operations, then `_release_once()` and `_end(ABORTED)`."""
 
 
-class RecvSession(_Session):
+class SinkSession(_Session):
+    """What both decode-side sessions share: KVDone, the checksum check and DONE once every byte
+    landed. Subclasses say when that is (`_all_landed`) and call `_maybe_finish` as bytes land."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        key: SessionKey,
+        secret: bytes,
+        cache: torch.Tensor,
+        block_ids: Sequence[int],
+        plan_ids: Sequence[int],
+        release: Release,
+        config: SessionConfig | None,
+    ) -> None:
+        super().__init__(peer, key, secret, cache, block_ids, plan_ids, release, config or SessionConfig())
+        self._first_token: int | None = None
+        self._checksums: list[int] | None = None
+        self._done_marked = False
+
+    def mark_done(self, first_token: int, checksums: Sequence[int] | None = None) -> None:
+        """The sender finished (KVDone): its first sampled token and, optionally, per-block CRC-32s."""
+        self._first_token, self._done_marked = first_token, True
+        self._checksums = list(checksums) if checksums is not None else None
+        self._maybe_finish()
+
+    @abstractmethod
+    def _all_landed(self) -> bool:
+        """Every block's bytes are in place."""
+
+    def _on_done(self) -> None:
+        """Called once, just before the session becomes DONE."""
+
+    def _maybe_finish(self) -> None:
+        if self.state is not SessionState.ACTIVE or not self._done_marked or not self._all_landed():
+            return
+        if self._checksums is not None and block_checksums(self.cache, self.block_ids) != self._checksums:
+            self.abort("checksum mismatch")
+            return
+        self._on_done()
+        self._end(SessionState.DONE, self._first_token)
+        self._log.debug("kv session received", blocks=len(self.block_ids), messages=len(self.messages))
+
+
+class RecvSession(SinkSession):
     """Decode side: receives into `block_ids` (reserved by the caller). See the module docstring."""
 
     def __init__(
@@ -170,12 +214,9 @@ class RecvSession(_Session):
         release: Release,
         config: SessionConfig | None = None,
     ) -> None:
-        super().__init__(peer, key, secret, cache, block_ids, block_ids, release, config or SessionConfig())
+        super().__init__(peer, key, secret, cache, block_ids, block_ids, release, config)
         self._posted: list[PostedRecv] = []
         self._landed: list[asyncio.Task[bool]] = []
-        self._first_token: int | None = None
-        self._checksums: list[int] | None = None
-        self._done_marked = False
 
     def start(self) -> None:
         """Post every message's receive buffer. Call before sending the block ids to the sender.
@@ -216,24 +257,10 @@ class RecvSession(_Session):
         """How many of the session's messages have landed so far."""
         return sum(t.done() and not t.cancelled() and t.result() for t in self._landed)
 
-    def mark_done(self, first_token: int, checksums: Sequence[int] | None = None) -> None:
-        """The sender finished (KVDone): its first sampled token and, optionally, per-block CRC-32s."""
-        self._first_token, self._done_marked = first_token, True
-        self._checksums = list(checksums) if checksums is not None else None
-        self._maybe_finish()
-
-    def _maybe_finish(self) -> None:
-        if self.state is not SessionState.ACTIVE or not self._done_marked:
-            return
-        if len(self._landed) < len(self.messages) or not all(
+    def _all_landed(self) -> bool:
+        return len(self._landed) == len(self.messages) and all(
             t.done() and not t.cancelled() and t.result() for t in self._landed
-        ):
-            return
-        if self._checksums is not None and block_checksums(self.cache, self.block_ids) != self._checksums:
-            self.abort("checksum mismatch")
-            return
-        self._end(SessionState.DONE, self._first_token)
-        self._log.debug("kv session received", blocks=len(self.block_ids), messages=len(self.messages))
+        )
 
     async def _finish_abort(self) -> None:
         for posted in self._posted:
@@ -245,13 +272,53 @@ class RecvSession(_Session):
         self._end(SessionState.ABORTED)
 
 
-class SendSession(_Session):
-    """Prefill side: sends `src_block_ids` into the receiver's `dst_block_ids`, message by message.
+class SourceSession(_Session):
+    """What both prefill-side sessions share: the source blocks, held until KVAck or abort.
 
-    The sources may be a prefix of the sequence's blocks (chunked prefill has not made the rest yet):
-    `extend_sources` appends blocks as they become final, and `send(upto)` needs sources up to `upto`.
-    `release` receives every source id ever given.
-    """
+    The sources may be a prefix of the sequence's `num_blocks` blocks (chunked prefill has not made
+    the rest yet): `extend_sources` appends blocks as they become final. `release` receives every
+    source id ever given."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        key: SessionKey,
+        secret: bytes,
+        cache: torch.Tensor,
+        src_block_ids: Sequence[int],
+        num_blocks: int,
+        plan_ids: Sequence[int],
+        release: Release,
+        config: SessionConfig | None,
+    ) -> None:
+        if len(src_block_ids) > num_blocks:
+            raise ValueError(f"{len(src_block_ids)} source blocks for {num_blocks} reserved blocks")
+        super().__init__(
+            peer, key, secret, cache, src_block_ids, plan_ids, release, config or SessionConfig()
+        )
+        self.num_blocks = num_blocks
+
+    def extend_sources(self, src_block_ids: Sequence[int]) -> None:
+        """Append source blocks (the next logical blocks, in order) whose KV is now final."""
+        if len(self.block_ids) + len(src_block_ids) > self.num_blocks:
+            raise ValueError(f"more than {self.num_blocks} source blocks for this session")
+        self.block_ids.extend(src_block_ids)
+
+    def checksums(self) -> list[int]:
+        """Per-block CRC-32 of the source blocks, to ship with KVDone for end-to-end verification."""
+        return block_checksums(self.cache, self.block_ids)
+
+    def acknowledged(self) -> None:
+        """The receiver confirmed it holds the data: release the source blocks and finish."""
+        if self.state is not SessionState.ACTIVE:
+            return
+        self._release_once()
+        self._end(SessionState.DONE)
+
+
+class SendSession(SourceSession):
+    """Prefill side: sends `src_block_ids` into the receiver's `dst_block_ids`, message by message;
+    `send(upto)` needs sources up to `upto` (see `SourceSession`)."""
 
     def __init__(
         self,
@@ -264,12 +331,9 @@ class SendSession(_Session):
         release: Release,
         config: SessionConfig | None = None,
     ) -> None:
-        if len(src_block_ids) > len(dst_block_ids):
-            raise ValueError(f"{len(src_block_ids)} source blocks for {len(dst_block_ids)} reserved blocks")
         super().__init__(
-            peer, key, secret, cache, src_block_ids, dst_block_ids, release, config or SessionConfig()
+            peer, key, secret, cache, src_block_ids, len(dst_block_ids), dst_block_ids, release, config
         )
-        self.num_blocks = len(dst_block_ids)
         self._next = 0
         self._inflight = asyncio.Semaphore(self.config.max_inflight)
         self._sends: list[asyncio.Task[None]] = []
@@ -304,23 +368,6 @@ class SendSession(_Session):
             self.abort(f"send failed: {e}")
         finally:
             self._inflight.release()
-
-    def extend_sources(self, src_block_ids: Sequence[int]) -> None:
-        """Append source blocks (the next logical blocks, in order) whose KV is now final."""
-        if len(self.block_ids) + len(src_block_ids) > self.num_blocks:
-            raise ValueError(f"more than {self.num_blocks} source blocks for this session")
-        self.block_ids.extend(src_block_ids)
-
-    def checksums(self) -> list[int]:
-        """Per-block CRC-32 of the source blocks, to ship with KVDone for end-to-end verification."""
-        return block_checksums(self.cache, self.block_ids)
-
-    def acknowledged(self) -> None:
-        """The receiver confirmed it holds the data: release the source blocks and finish."""
-        if self.state is not SessionState.ACTIVE:
-            return
-        self._release_once()
-        self._end(SessionState.DONE)
 
     async def _finish_abort(self) -> None:
         for send in self._sends:

@@ -39,6 +39,7 @@ from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
 from kvtransfer.lanes import transport_label
 from kvtransfer.layout import KVLayout
 from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes
+from kvtransfer.ucx_rma import RemoteKey, Rma
 
 log = structlog.get_logger(__name__)
 
@@ -267,6 +268,12 @@ class UcxPeer(Peer):
         except UCXError as e:
             raise PeerLost(f"{failure}: {e}") from e
 
+    def unpack_rkey(self, packed: bytes) -> RemoteKey:
+        """The peer's packed remote key (kvtransfer.ucx_rma.MemRegion.rkey) usable on this
+        endpoint; the caller destroys it (`close()`) before closing the peer."""
+        self._check_usable("endpoint failed")
+        return RemoteKey(self.endpoint.ucp_endpoint, packed)
+
     def post_recv(self, tag: int, buf: torch.Tensor) -> UcxPostedRecv:
         from ucxx.types import Tag, TagMaskFull
 
@@ -315,6 +322,20 @@ class UcxTransport(Transport):
         self._lib: _UcxLib | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._spinner = _Spinner(self.settings.progress_mode == "hybrid")
+        self._rma: Rma | None = None
+
+    @property
+    def rma(self) -> Rma:
+        """One-sided RMA on this transport's UCX context and worker (kvtransfer.ucx_rma), created
+        on first use, on the event loop, after `start()`."""
+        if self._rma is None:
+            import ucxx
+
+            if self._lib is None:
+                raise TransportError("transport not started")
+            ctx = ucxx.core._get_ctx()
+            self._rma = Rma(ctx.context.handle, ctx.worker.handle)
+        return self._rma
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         # UCXX exports UCX_MEMTYPE_CACHE, which this UCX no longer knows; keep stdout clean of that.

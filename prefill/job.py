@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from engine.kv_manager import cdiv
 from engine.worker.convert import Finish
 from engine.worker.record import WorkerRequest
-from kvtransfer import SendSession
 from kvtransfer.plan import Message
+from kvtransfer.session import SourceSession
 from splitserve import wire
 from splitserve.v1 import control_pb2, serving_pb2
 
@@ -39,7 +39,7 @@ class PrefillJob(WorkerRequest):
     sampled_at: float | None = None
     finish: Finish = serving_pb2.FINISH_REASON_UNSPECIFIED
     reserved: control_pb2.Reserved | None = None
-    session: SendSession | None = None
+    session: SourceSession | None = None
     shipping: asyncio.Task[None] | None = None
     messages: list[Message] = field(default_factory=list)
     sent_messages: int = 0

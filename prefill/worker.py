@@ -7,6 +7,7 @@ Per request (control.proto has the messages):
       measures P's progress, not P's queue)
     Reserved known, started ──► kvtransfer SendSession into D's reserved blocks; after every prefill step the
       blocks that became final are sent (one KVChunkReady per batch) while the next chunk computes
+      (Reserved.pull: a PullSendSession instead; KVChunkReady names the source blocks, D reads them)
     first token sampled ──► PrefillDone to the coordinator at once; the last blocks are sent
     all sends delivered ──► KVDone(token 1) to D ──► KVAck from D ──► blocks released (the prefix
       cache keeps them findable)
@@ -31,8 +32,10 @@ from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
-from kvtransfer import SendSession, SessionAborted, TransportError
+from kvtransfer import SendSession, SessionAborted, SessionState, TransportError
 from kvtransfer.lanes import transport_label
+from kvtransfer.pull import PullSendSession, chunk_plan
+from kvtransfer.session import SourceSession
 from prefill.job import PrefillJob
 from splitserve import wire
 from splitserve.control import Received
@@ -205,10 +208,17 @@ class PrefillWorker(WorkerRole):
                 await step_done.wait()  # protects an invariant: a lease starts when the work does
             dst, secret = job.dst_blocks(), job.transfer_secret()
             key = session_key(job.rid, job.generation)
-            session = SendSession(
-                peer, key, secret, self.plane.cache, [], dst, job.release_holds, self.plane.config
-            )
-            job.session, job.messages = session, session.messages
+            session: SourceSession
+            if job.reserved is not None and job.reserved.pull:  # D reads the blocks itself
+                session = PullSendSession(
+                    peer, key, secret, self.plane.cache, [], len(dst), job.release_holds, self.plane.config
+                )
+                job.session, job.messages = session, chunk_plan(len(dst))
+            else:
+                session = SendSession(
+                    peer, key, secret, self.plane.cache, [], dst, job.release_holds, self.plane.config
+                )
+                job.session, job.messages = session, session.messages
             started = time.monotonic()
             while True:
                 step_done = self._step_done  # taken first: a step ending meanwhile still wakes us
@@ -241,7 +251,7 @@ class PrefillWorker(WorkerRole):
             return
         self.rearm_lease(job, "no KVAck within the lease")
 
-    def _final_sources(self, job: PrefillJob, session: SendSession) -> int:
+    def _final_sources(self, job: PrefillJob, session: SourceSession) -> int:
         """Hand the session every block that is final now (each held by the session until it ends);
         returns how many logical blocks it has."""
         have, final = len(session.block_ids), job.final_blocks(self.block_size)
@@ -251,15 +261,24 @@ class PrefillWorker(WorkerRole):
             session.extend_sources(new)
         return len(session.block_ids)
 
-    async def _send(self, job: PrefillJob, session: SendSession, upto: int) -> None:
-        """Announce, then send, every message below logical block `upto` (returns once delivered)."""
+    async def _send(self, job: PrefillJob, session: SourceSession, upto: int) -> None:
+        """Announce, then send, every message below logical block `upto` (returns once delivered).
+        Pull: announce the chunk's source blocks (and, first, the pool) for D to read; nothing to send."""
+        if session.state is not SessionState.ACTIVE:  # a pull session learns of no send failing
+            raise SessionAborted(session.abort_reason or "aborted")
         chunk = job.next_chunk(self.block_size, upto)
         if chunk is None:
             return
+        if isinstance(session, PullSendSession):
+            src = session.block_ids[chunk.first_block : chunk.first_block + chunk.num_blocks]
+            chunk.src_block_ids = wire.pack_ids(src)
+            if chunk.chunk_index == 0:
+                chunk.pool.CopyFrom(self.plane.pool_source())
         if not await self.to_peer(job.decode, kv_chunk_ready=chunk):
             raise TransportError("decode worker not reading its control socket")
         self.metrics.transfer_chunks.labels("send", transport_label(session.peer.transports)).inc()
-        await session.send(upto)  # waits for delivery; an abort ends it with SessionAborted
+        if isinstance(session, SendSession):
+            await session.send(upto)  # waits for delivery; an abort ends it with SessionAborted
 
     def _stop_shipping(self, job: PrefillJob, outcome: str) -> None:
         if job.shipping is not None and job.shipping is not asyncio.current_task():

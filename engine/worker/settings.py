@@ -20,6 +20,7 @@ from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arg
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSFER_BACKENDS = ("ucx", "tcp", "nixl")  # nixl: the `nixl` extra
+KV_TRANSFER_MODES = ("push", "pull")
 
 
 @dataclass(slots=True)
@@ -44,6 +45,7 @@ class WorkerSettings:
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
     ucx_progress_mode: str = "hybrid"  # kvtransfer.ucx.PROGRESS_MODES; docs/kvtransfer.md measures them
+    kv_transfer_mode: str = "push"  # decode side: P sends (push) or D reads with UCX gets (pull)
     control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
     coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
@@ -65,6 +67,10 @@ class WorkerSettings:
             raise ValueError(
                 f"--transfer-backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
             )
+        if self.kv_transfer_mode not in KV_TRANSFER_MODES:
+            raise ValueError(f"--kv-transfer-mode must be push or pull, got {self.kv_transfer_mode!r}")
+        if self.kv_transfer_mode == "pull" and self.transfer_backend != "ucx":
+            raise ValueError("--kv-transfer-mode pull reads with UCX gets: it needs --transfer-backend ucx")
         if self.lease_ms < 1 or self.queue_lease_ms < 1:
             raise ValueError(
                 f"--lease-ms and --queue-lease-ms must be positive, got {self.lease_ms}, {self.queue_lease_ms}"
@@ -194,6 +200,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
     a("--coordinator-public-key", default="", help="the coordinator's CurveZMQ public key file (NAME.key)")
     if with_mode:
         a("--mode", choices=("decode", "colocated"), default="decode", help="colocated: prefill here too")
+        a(
+            "--kv-transfer-mode",
+            choices=KV_TRANSFER_MODES,
+            default=w["kv_transfer_mode"],
+            help="push: the prefill worker sends the KV; pull: this worker reads it (UCX gets, ucx backend)",
+        )
 
 
 def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
@@ -228,6 +240,9 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_message_bytes=args.kv_message_bytes,
         kv_direct_bytes=args.kv_direct_bytes,
         ucx_progress_mode=args.ucx_progress_mode,
+        kv_transfer_mode=getattr(
+            args, "kv_transfer_mode", field_defaults(WorkerSettings)["kv_transfer_mode"]
+        ),
         control_key=args.control_key,
         coordinator_public_key=args.coordinator_public_key,
         insecure_control_plane=bool(args.insecure_control_plane),

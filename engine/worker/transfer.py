@@ -36,6 +36,7 @@ from kvtransfer import (
     UcxSettings,
     create_transport,
 )
+from kvtransfer.pull import MappedPool
 from splitserve.v1 import control_pb2
 
 log = structlog.get_logger(__name__)
@@ -96,6 +97,8 @@ class TransferPlane:
             min_direct_bytes=settings.kv_direct_bytes,
         )
         self.initiates = settings.role == "decode"
+        self.pull = settings.kv_transfer_mode == "pull"
+        self._mapped: MappedPool | None = None
         self.on_release: Callable[[], None] = lambda: None
         self._connecting: dict[str, asyncio.Task[Peer]] = {}
         transport.on_refused = lambda reason: metrics.kv_connections_refused.labels(reason).inc()
@@ -107,7 +110,23 @@ class TransferPlane:
         ucx = UcxSettings(progress_mode=settings.ucx_progress_mode)
         transport = create_transport(settings.transfer_backend, kv_layout(engine), ucx)
         await transport.start(settings.advertise_host, settings.transfer_port)
-        return cls(settings, engine, transport, metrics)
+        plane = cls(settings, engine, transport, metrics)
+        if plane.pull:
+            plane.mapped_pool()  # before the first request, not during it
+        return plane
+
+    def mapped_pool(self) -> MappedPool:
+        """This worker's KV cache mapped for one-sided reads (kvtransfer.pull), once, on first use;
+        unmapped at close. Raises TransportError on a backend without one-sided reads."""
+        if self._mapped is None:
+            self._mapped = MappedPool(self.transport, self.cache)
+            log.info("kv pool mapped for one-sided reads", bytes=self._mapped.region.length)
+        return self._mapped
+
+    def pool_source(self) -> control_pb2.KvPoolSource:
+        """How a decode worker reads this worker's pool, as KVChunkReady carries it."""
+        source = self.mapped_pool().source()
+        return control_pb2.KvPoolSource(rkey=source.rkey, base=source.base, length=source.length)
 
     async def peer(self, endpoint: control_pb2.WorkerEndpoint) -> Peer:
         """The one kvtransfer peer shared with the worker at `endpoint`; raises TransportError.
@@ -169,6 +188,8 @@ class TransferPlane:
     async def close(self) -> None:
         for task in self._connecting.values():
             task.cancel()
+        if self._mapped is not None:
+            self._mapped.close()
         await self.transport.close()
 
 

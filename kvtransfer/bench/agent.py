@@ -42,8 +42,11 @@ from kvtransfer import (
 )
 from kvtransfer.bench import bench_loops
 from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
+from kvtransfer.bench.get_loops import GetLoops
 from kvtransfer.bench.pattern import blocks_filled_with, blocks_match, fill_blocks, fill_sentinel, is_sentinel
+from kvtransfer.bench.pull_ops import PullOps
 from kvtransfer.checksum import block_checksums
+from kvtransfer.pull import PullRecvSession, PullSendSession
 from kvtransfer.session import RecvSession, SendSession
 from kvtransfer.transport import Transport
 
@@ -66,13 +69,15 @@ def fragment_pool(pool: BlockPool, seed: int) -> None:
         pool.free(run)
 
 
-class Agent:
-    """Serves control requests; each request runs as its own task."""
+class Agent(PullOps, GetLoops):
+    """Serves control requests; each request runs as its own task (pull ops: `PullOps`; kvbench's
+    one-sided loops: `GetLoops`)."""
 
     def __init__(self, transport: Transport, pool: BlockPool, cache: torch.Tensor) -> None:
         self.transport, self.pool, self.cache = transport, pool, cache
-        self.recv_sessions: dict[SessionKey, RecvSession] = {}
-        self.send_sessions: dict[SessionKey, SendSession] = {}
+        self.recv_sessions: dict[SessionKey, RecvSession | PullRecvSession] = {}
+        self.send_sessions: dict[SessionKey, SendSession | PullSendSession] = {}
+        self.pull_recv = {}
         self.loops = bench_loops.BenchLoops(transport)
         self.stopped = asyncio.Event()
 
@@ -150,6 +155,7 @@ class Agent:
     async def op_recv_progress(self, rid: str, gen: int) -> dict[str, Any]:
         """Messages landed / planned of an open receive session (a test's readiness probe)."""
         session = self.recv_sessions[self._key(rid, gen)]
+        assert isinstance(session, RecvSession), "a pull session has no messages"
         return {"landed": session.messages_landed, "messages": len(session.messages)}
 
     async def op_free(self, block_ids: list[int]) -> dict[str, Any]:
@@ -215,6 +221,7 @@ class Agent:
                 SessionConfig(**(config or {})),
             )
         session = self.send_sessions[key]
+        assert isinstance(session, SendSession), "a pull session sends nothing"
         try:
             await session.send(upto)
         except SessionAborted as e:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kvtransfer.bench import agent, netns, nixl_sweep, report, runner
+from kvtransfer.bench import agent, get_loops, netns, nixl_sweep, report, runner
 from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
 from kvtransfer.bench.busy import BusyLoops
 from kvtransfer.bench.report import parse_size, parse_tokens
@@ -47,9 +47,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--backend",
         type=_csv(str),
         default=["ucx", "tcp"],
-        help="ucx, ucx-stock (UCXX defaults), tcp, nixl (our NIXL backend; nixl-tensor, nixl-nothread: "
-        "its per-message registration and no-progress-thread variants), nixl-raw (NIXL driven as "
-        "nixlbench does, the peer row); the nixl ones need NIXL installed",
+        help="ucx, ucx-stock (UCXX defaults), ucx-get (one-sided gets, raw mode), tcp, nixl (our NIXL "
+        "backend; nixl-tensor, nixl-nothread: its per-message registration and no-progress-thread "
+        "variants), nixl-raw (NIXL driven as nixlbench does, the peer row); the nixl ones need NIXL",
     )
     run.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES))
     run.add_argument("--depth", type=_csv(int), default=[1], help="messages in flight (a sweep)")
@@ -139,6 +139,9 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [b for b in cfg.backends if b not in known]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(known)}")
+    if get_loops.BACKEND in cfg.backends and (cfg.model_shape or cfg.peer or cfg.device != "cpu"):
+        print(f"{get_loops.BACKEND}: skipped (raw mode, local, host memory only for now)", file=sys.stderr)
+        cfg.backends = [b for b in cfg.backends if b != get_loops.BACKEND]
     missing = nixl_sweep.nixl_missing()
     for backend in [b for b in cfg.backends if b.startswith("nixl")]:
         why = missing
@@ -196,6 +199,8 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
     for backend in cfg.backends:
         if backend == "nixl-raw":
             rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
+        elif backend == get_loops.BACKEND:
+            rows += await get_loops.get_sweep(cfg, memcpy, progress)
         elif cfg.model_shape is None:
             rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
         else:

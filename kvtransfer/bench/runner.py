@@ -28,6 +28,7 @@ from kvtransfer.bench.report import Progress, Row, format_size
 BACKEND_ARGS = {
     "ucx": ["--backend", "ucx"],
     "ucx-stock": ["--backend", "ucx", "--stock"],
+    "ucx-get": ["--backend", "ucx"],  # one-sided gets by the receiver (bench/get_loops.py)
     "tcp": ["--backend", "tcp"],
     "nixl": ["--backend", "nixl"],
     "nixl-tensor": ["--backend", "nixl", "--nixl-register", "tensor"],

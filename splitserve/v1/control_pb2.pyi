@@ -1050,6 +1050,7 @@ class Reserved(_message.Message):
     KV_START_TOKEN_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     TRANSFER_SECRET_FIELD_NUMBER: _builtins.int
+    PULL_FIELD_NUMBER: _builtins.int
     rid: _builtins.int
     """Request key."""
     generation: _builtins.int
@@ -1071,6 +1072,11 @@ class Reserved(_message.Message):
     """The transfer session's secret (16 random bytes, fresh per reservation): every transfer tag of
     the session derives from it (kvtransfer.plan), so only P can hit D's posted receives.
     """
+    pull: _builtins.bool
+    """D reads the KV itself with one-sided UCX gets into these blocks (kvtransfer.pull, D's
+    --kv-transfer-mode pull): P sends no bytes, it announces its source blocks in KVChunkReady and
+    holds them until KVAck. false: P sends into D's posted receives (push).
+    """
     def __init__(
         self,
         *,
@@ -1081,10 +1087,11 @@ class Reserved(_message.Message):
         kv_start_token: _builtins.int = ...,
         lease_ms: _builtins.int = ...,
         transfer_secret: _builtins.bytes = ...,
+        pull: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "decode_worker_id", b"decode_worker_id", "generation", b"generation", "kv_start_token", b"kv_start_token", "lease_ms", b"lease_ms", "rid", b"rid", "transfer_secret", b"transfer_secret"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "decode_worker_id", b"decode_worker_id", "generation", b"generation", "kv_start_token", b"kv_start_token", "lease_ms", b"lease_ms", "pull", b"pull", "rid", b"rid", "transfer_secret", b"transfer_secret"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1171,6 +1178,8 @@ class KVChunkReady(_message.Message):
     FIRST_BLOCK_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     END_TOKEN_FIELD_NUMBER: _builtins.int
+    SRC_BLOCK_IDS_FIELD_NUMBER: _builtins.int
+    POOL_FIELD_NUMBER: _builtins.int
     rid: _builtins.int
     """Request key."""
     generation: _builtins.int
@@ -1183,6 +1192,14 @@ class KVChunkReady(_message.Message):
     """Consecutive entries of Reserved.block_ids the chunk fills."""
     end_token: _builtins.int
     """After this chunk, the KV of every sequence position below end_token has been sent."""
+    src_block_ids: _builtins.bytes
+    """Pull only (Reserved.pull): P's source block ids for the chunk's num_blocks blocks, in order,
+    little-endian int32 each; D reads them into its own blocks first_block.. of Reserved.block_ids.
+    """
+    @_builtins.property
+    def pool(self) -> Global___KvPoolSource:
+        """Pull only, on chunk 0: how D reaches P's KV pool."""
+
     def __init__(
         self,
         *,
@@ -1192,14 +1209,48 @@ class KVChunkReady(_message.Message):
         first_block: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
         end_token: _builtins.int = ...,
+        src_block_ids: _builtins.bytes = ...,
+        pool: Global___KvPoolSource | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["pool", b"pool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_index", b"chunk_index", "end_token", b"end_token", "first_block", b"first_block", "generation", b"generation", "num_blocks", b"num_blocks", "rid", b"rid"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chunk_index", b"chunk_index", "end_token", b"end_token", "first_block", b"first_block", "generation", b"generation", "num_blocks", b"num_blocks", "pool", b"pool", "rid", b"rid", "src_block_ids", b"src_block_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___KVChunkReady: _TypeAlias = KVChunkReady  # noqa: Y015
+
+@_typing.final
+class KvPoolSource(_message.Message):
+    """P's KV pool mapped for one-sided reads (kvtransfer.pull.PoolSource). Travels only over the
+    authenticated control plane; D refuses source blocks outside [base, base + length).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RKEY_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    rkey: _builtins.bytes
+    """The packed UCX remote key of the pool."""
+    base: _builtins.int
+    """Address of block 0 in P's memory."""
+    length: _builtins.int
+    """Bytes mapped from base."""
+    def __init__(
+        self,
+        *,
+        rkey: _builtins.bytes = ...,
+        base: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "length", b"length", "rkey", b"rkey"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KvPoolSource: _TypeAlias = KvPoolSource  # noqa: Y015
 
 @_typing.final
 class KVDone(_message.Message):

@@ -1,0 +1,160 @@
+"""kvbench's `ucx-get` row: the receiver reads the sender's ring with one-sided UCX gets.
+
+The same measurement as the two-sided rows (`bench_loops`, `runner.raw_row`): rings of at least 4x
+the LLC on both sides, a warm-up run, `repeats` runs sized to `--duration`, the last one verified
+(CRC-32 of every ring buffer on both sides), GB/s from the first to the last completion, latency per
+get from post to completion, `depth` gets in flight. The sender maps each ring buffer once and does
+nothing while the bytes move; its CPU is still counted (UCX's progress thread included).
+
+Agent side: `GetLoops` is a mixin of `Agent` (ops `get_expose`, `bench_get`, `get_sender_state`, `gets_done`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from typing import Any
+
+from kvtransfer.bench import runner
+from kvtransfer.bench.bench_loops import BenchLoops, cpu_seconds, percentiles_us, ring_checksums
+from kvtransfer.bench.report import Progress, Row, format_size
+from kvtransfer.transport import Transport
+from kvtransfer.ucx import UcxPeer, UcxTransport
+from kvtransfer.ucx_rma import GetRun, MemRegion, RemoteKey
+
+BACKEND = "ucx-get"
+
+
+class GetLoops:
+    """Needs the agent's transport and raw loops (whose ring it reads or exposes)."""
+
+    transport: Transport
+    loops: BenchLoops
+    _exposed: list[MemRegion] | None = None
+    _local: list[MemRegion] | None = None
+    gets_done = 0  # bench gets completed over this agent's life
+
+    async def op_gets_done(self) -> dict[str, Any]:
+        """How many bench gets completed so far (a test's readiness probe for a running stream)."""
+        return {"gets": self.gets_done}
+
+    def _ucx(self) -> UcxTransport:
+        if not isinstance(self.transport, UcxTransport):
+            raise ValueError("ucx-get needs the ucx backend")
+        return self.transport
+
+    def _map_ring(self, previous: list[MemRegion] | None) -> list[MemRegion]:
+        for region in previous or []:
+            region.close()
+        return [self._ucx().rma.register(buf) for buf in self.loops._ring]
+
+    async def op_get_expose(self) -> dict[str, Any]:
+        """Sender: map the current ring for remote reads; each buffer's (rkey hex, address)."""
+        self._exposed = self._map_ring(self._exposed)
+        return {"sources": [[r.rkey.hex(), r.address] for r in self._exposed]}
+
+    async def op_get_sender_state(self, verify: bool = False) -> dict[str, Any]:
+        """Sender: its CPU seconds so far and, if `verify`, its ring's checksums."""
+        ring = self.loops._ring
+        return {"cpu_s": cpu_seconds(), "checksums": ring_checksums(ring, len(ring)) if verify else None}
+
+    async def op_bench_get(
+        self, peer: str, sources: list[list[Any]], iters: int, depth: int, verify: bool = False
+    ) -> dict[str, Any]:
+        """Receiver: `iters` gets of sender buffer i % n into our buffer i % n, `depth` in flight."""
+        remote = self.transport.peer(peer)
+        if not isinstance(remote, UcxPeer):
+            raise RuntimeError(f"no ucx peer {peer}")
+        ring, rma = self.loops._ring, self._ucx().rma
+        if self._local is None or len(self._local) != len(ring) or self._local[0].length != ring[0].nbytes:
+            self._local = self._map_ring(self._local)
+        keys = [remote.unpack_rkey(bytes.fromhex(rkey)) for rkey, _ in sources]
+        loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(depth)
+        latencies: list[float] = []
+        done_at: list[float] = []
+        failures: list[Exception] = []
+
+        async def one(i: int, key: RemoteKey) -> None:
+            try:
+                j = i % len(ring)
+                t0 = time.perf_counter()
+                run = GetRun(ring[j].data_ptr(), int(sources[j][1]), ring[j].nbytes)
+                await rma.get(key, [run], self._local[j] if self._local else None)
+                latencies.append(time.perf_counter() - t0)
+                done_at.append(loop.time())
+                self.gets_done += 1
+            except Exception as e:
+                failures.append(e)
+                raise
+            finally:
+                slots.release()
+
+        gets = []
+        cpu0 = cpu_seconds()
+        try:
+            for i in range(iters):
+                await slots.acquire()
+                if failures:  # the peer is gone: stop posting, report the first failure below
+                    break
+                gets.append(asyncio.ensure_future(one(i, keys[i % len(keys)])))
+            await asyncio.gather(*gets)
+        finally:
+            await asyncio.gather(*gets, return_exceptions=True)
+            for key in keys:
+                key.close()
+        span = done_at[-1] - done_at[0] if len(done_at) > 1 else 0.0
+        return {
+            "span_s": span,
+            "cpu_s": cpu_seconds() - cpu0,
+            "first_us": latencies[0] * 1e6,
+            "checksums": ring_checksums(ring, min(iters, len(ring))) if verify else None,
+            **percentiles_us(latencies),
+        }
+
+
+async def _get_run(
+    agents: runner.Agents, sources: list[list[Any]], iters: int, depth: int, verify: bool
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One run as `runner.raw_row` reads it: (receiver side, sender side)."""
+    before = await agents.send.call("get_sender_state")
+    recv = await agents.recv.call(
+        "bench_get", peer=agents.sender_address, sources=sources, iters=iters, depth=depth,
+        verify=verify, timeout=600,
+    )  # fmt: skip
+    after = await agents.send.call("get_sender_state", verify=verify)
+    used = min(iters, len(sources))
+    send = {
+        **{k: recv[k] for k in ("first_us", "p50_us", "p99_us", "p999_us")},
+        "cpu_s": after["cpu_s"] - before["cpu_s"],
+        "checksums": after["checksums"][:used] if verify else None,
+    }
+    return recv, send
+
+
+async def get_sweep(cfg: runner.BenchConfig, memcpy: dict[int, float], progress: Progress) -> list[Row]:
+    """The ucx-get rows of a raw sweep (sizes x depths), measured as `runner.raw_sweep` measures."""
+    agents = await runner.start_agents(cfg, BACKEND, runner.RAW_LAYOUT, 1)
+    rows = []
+    try:
+        for size in cfg.sizes:
+            await agents.send.call("ring", size=size, seed=size, ring_bytes=cfg.ring_bytes, device=cfg.device)
+            await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes, device=cfg.device)
+            sources = (await agents.send.call("get_expose"))["sources"]
+            for depth in cfg.depths:
+                warm_iters = max(2 * depth, len(sources))
+                t0 = time.perf_counter()
+                _, warm = await _get_run(agents, sources, warm_iters, depth, verify=False)
+                per_iter = (time.perf_counter() - t0) / warm_iters
+                iters = max(len(sources), 2 * depth, math.ceil(cfg.duration_s / per_iter))
+                runs = [
+                    await _get_run(agents, sources, iters, depth, verify=i == cfg.repeats - 1)
+                    for i in range(cfg.repeats)
+                ]
+                row = runner.raw_row(cfg, BACKEND, size, depth, iters, memcpy[size], agents, warm, runs)
+                rows.append(row)
+                progress.step(f"{BACKEND} {format_size(size)} depth {depth}")
+    finally:
+        await agents.close()
+    return rows

@@ -1,0 +1,88 @@
+"""The agent's one-sided pull ops (kvtransfer.pull), for the tests and kvbench: a mixin of `Agent`.
+
+A sender agent exposes its pool once (`pull_expose`) and opens a `PullSendSession` over filled
+source blocks (`pull_source`); a receiver agent reserves blocks into a `PullRecvSession`
+(`pull_reserve`) and reads chunks of them (`pull`). `mark_done`, `wait_recv`, `ack`, `wait_send` and
+`abort` are the agent's session ops, shared with the push sessions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.block_pool import BlockPool
+from kvtransfer.bench.pattern import fill_blocks, fill_sentinel
+from kvtransfer.plan import new_session_secret
+from kvtransfer.pull import MappedPool, PoolSource, PullRecvSession, PullSendSession
+from kvtransfer.session import RecvSession, SendSession, SessionConfig, SessionKey
+from kvtransfer.transport import Transport
+
+
+class PullOps:
+    """Needs the agent's transport, pool, cache and session tables."""
+
+    transport: Transport
+    pool: BlockPool
+    cache: torch.Tensor
+    recv_sessions: dict[SessionKey, RecvSession | PullRecvSession]
+    send_sessions: dict[SessionKey, SendSession | PullSendSession]
+    _peer: Callable[[str], Any]
+    _pool_map: MappedPool | None = None
+    # every pull session this agent received in, ended ones included (a test pulls on an ended one)
+    pull_recv: dict[SessionKey, PullRecvSession]
+
+    def _mapped(self) -> MappedPool:
+        """The whole cache mapped once for the agent's life, as a worker maps it (kvtransfer.pull)."""
+        if self._pool_map is None:
+            self._pool_map = MappedPool(self.transport, self.cache)
+        return self._pool_map
+
+    async def op_pull_expose(self) -> dict[str, Any]:
+        source = self._mapped().source()
+        return {"rkey": source.rkey.hex(), "base": source.base, "length": source.length}
+
+    async def op_pull_source(
+        self,
+        rid: str,
+        gen: int,
+        peer: str,
+        num_blocks: int,
+        seed: int = 0,
+        config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Allocate and fill `num_blocks` source blocks held by a PullSendSession; their ids and CRCs."""
+        ids = self.pool.allocate(num_blocks)
+        if ids is None:
+            raise RuntimeError(f"cannot allocate {num_blocks} blocks")
+        fill_blocks(self.cache, ids, seed)
+        session = PullSendSession(
+            self._peer(peer), SessionKey(rid, gen), new_session_secret(), self.cache, ids, num_blocks,
+            self.pool.free, SessionConfig(**(config or {})),
+        )  # fmt: skip
+        self.send_sessions[session.key] = session
+        return {"src_ids": ids, "checksums": session.checksums()}
+
+    async def op_pull_reserve(
+        self, rid: str, gen: int, n_blocks: int, peer: str, source: dict[str, Any],
+        config: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Reserve `n_blocks` (sentinel-filled) into a PullRecvSession reading from `source`
+        (`pull_expose`'s answer)."""
+        ids = self.pool.allocate(n_blocks)
+        if ids is None:
+            raise RuntimeError(f"cannot reserve {n_blocks} blocks")
+        fill_sentinel(self.cache, ids)
+        pool_source = PoolSource(bytes.fromhex(source["rkey"]), int(source["base"]), int(source["length"]))
+        session = PullRecvSession(
+            self._peer(peer), SessionKey(rid, gen), new_session_secret(), self.cache, ids, self.pool.free,
+            self._mapped(), pool_source, SessionConfig(**(config or {})),
+        )  # fmt: skip
+        self.recv_sessions[session.key] = self.pull_recv[session.key] = session
+        return {"block_ids": ids, "state": session.state.value}
+
+    async def op_pull(self, rid: str, gen: int, start: int, src_ids: list[int]) -> dict[str, Any]:
+        """Post the reads of one chunk (KVChunkReady); the session (or the key, if it ended) decides."""
+        return {"gets": self.pull_recv[SessionKey(rid, gen)].pull(start, src_ids)}

@@ -1,0 +1,263 @@
+"""One-sided UCX RMA through ctypes on the libucp that UCXX bundles (UCX 1.21's ABI, checked).
+
+The UCXX Python binding exposes no RMA, so this module calls UCP directly on UCXX's own context and
+worker (`ucp_context_h` / `ucp_worker_h` handles of `ucxx.core._get_ctx()`) and on an endpoint's
+`ucp_ep_h` (`endpoint.ucp_endpoint`):
+
+- `MemRegion`: memory this process lets peers read (`ucp_mem_map`) and its packed remote key
+  (`ucp_rkey_pack`). The creator owns it and `close()`s it (`ucp_mem_unmap`) after every peer that
+  may still read it is done.
+- `RemoteKey`: a peer's packed key unpacked on one endpoint (`ucp_ep_rkey_unpack`); the reader owns
+  it and `close()`s it (`ucp_rkey_destroy`) before that endpoint is closed.
+- `Rma.get(ep, runs)`: posts one `ucp_get_nbx` per run at once and returns a future that completes
+  once every get finished. Completion never polls: each pending get carries a C callback that UCP
+  calls from whichever thread progresses the worker (UCXX's progress thread, asleep in epoll until
+  UCX has work, or the event loop in UCXX's polling modes), and the last one wakes the asyncio
+  waiter with `call_soon_threadsafe`. That needs a worker in UCS_THREAD_MODE_MULTI (gets are posted
+  from the event loop thread while the progress thread progresses); `Rma` checks it at creation.
+
+Cancelling an RMA get is not something UCP offers: a caller that gives up must still await the
+future before the destination memory is reused (kvtransfer.pull does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import itertools
+import os
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtransfer.errors import TransportError
+
+UCP_VERSION = (1, 21)  # the struct layouts below are UCX 1.21's (include/ucp/api/ucp.h)
+_ERR_LAST = -100  # UCS_ERR_LAST: status pointers in (-100, 0) are errors
+_THREAD_MODE_MULTI = 2
+_MEM_MAP_FIELDS = 0b1011  # ADDRESS | LENGTH | PROT
+_PROT_LOCAL_RW_REMOTE_READ = (1 << 0) | (1 << 1) | (1 << 8)
+_OP_ATTR_CALLBACK, _OP_ATTR_USER_DATA, _OP_ATTR_MEMH = 1 << 1, 1 << 2, 1 << 8
+
+_SendCallback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
+
+
+class _MemMapParams(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("address", ctypes.c_void_p),
+        ("length", ctypes.c_size_t),
+        ("flags", ctypes.c_uint),
+        ("prot", ctypes.c_uint),
+        ("memory_type", ctypes.c_int),
+        ("exported_memh_buffer", ctypes.c_void_p),
+    ]
+
+
+class _RequestParam(ctypes.Structure):
+    _fields_ = [
+        ("op_attr_mask", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("request", ctypes.c_void_p),
+        ("cb", _SendCallback),
+        ("datatype", ctypes.c_uint64),
+        ("user_data", ctypes.c_void_p),
+        ("reply_buffer", ctypes.c_void_p),
+        ("memory_type", ctypes.c_int),
+        ("recv_info", ctypes.c_void_p),
+        ("memh", ctypes.c_void_p),
+    ]
+
+
+class _WorkerAttr(ctypes.Structure):
+    _fields_ = [("field_mask", ctypes.c_uint64), ("thread_mode", ctypes.c_int), ("rest", ctypes.c_byte * 256)]
+
+
+class RmaError(TransportError):
+    """A UCP RMA call failed (the status name says why)."""
+
+
+def _bind(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
+
+
+class _Ucp:
+    """The libucp functions used here, loaded once per process."""
+
+    def __init__(self) -> None:
+        import libucx
+
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
+        vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
+        _bind(lib, "ucp_get_version", None, vp, vp, vp)(
+            ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release)
+        )
+        if (major.value, minor.value) != UCP_VERSION:
+            raise RmaError(f"libucp {major.value}.{minor.value}: RMA structs are laid out for {UCP_VERSION}")
+        self.status_string = _bind(lib, "ucs_status_string", ctypes.c_char_p, st)
+        self.worker_query = _bind(lib, "ucp_worker_query", st, vp, vp)
+        self.mem_map = _bind(lib, "ucp_mem_map", st, vp, vp, vp)
+        self.mem_unmap = _bind(lib, "ucp_mem_unmap", st, vp, vp)
+        self.rkey_pack = _bind(lib, "ucp_rkey_pack", st, vp, vp, vp, vp)
+        self.rkey_buffer_release = _bind(lib, "ucp_rkey_buffer_release", None, vp)
+        self.ep_rkey_unpack = _bind(lib, "ucp_ep_rkey_unpack", st, vp, vp, vp)
+        self.rkey_destroy = _bind(lib, "ucp_rkey_destroy", None, vp)
+        self.get_nbx = _bind(lib, "ucp_get_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, vp)
+        self.request_free = _bind(lib, "ucp_request_free", None, vp)
+
+    def check(self, status: int, what: str) -> None:
+        if status != 0:
+            raise RmaError(f"{what}: {self.status_string(status).decode()}")
+
+
+_ucp: _Ucp | None = None
+
+
+def _lib() -> _Ucp:
+    global _ucp
+    if _ucp is None:
+        _ucp = _Ucp()
+    return _ucp
+
+
+class MemRegion:
+    """`tensor`'s bytes mapped for remote reads; `rkey` is the packed key a reader unpacks.
+
+    Holds a reference to the tensor, so its memory outlives the mapping."""
+
+    def __init__(self, context: int, tensor: torch.Tensor) -> None:
+        ucp = _lib()
+        self._context, self._tensor = context, tensor
+        self.address, self.length = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        params = _MemMapParams(_MEM_MAP_FIELDS, self.address, self.length, 0, _PROT_LOCAL_RW_REMOTE_READ)
+        memh = ctypes.c_void_p()
+        ucp.check(ucp.mem_map(context, ctypes.byref(params), ctypes.byref(memh)), "ucp_mem_map")
+        self.memh: int | None = memh.value
+        buf, size = ctypes.c_void_p(), ctypes.c_size_t()
+        try:
+            ucp.check(ucp.rkey_pack(context, memh, ctypes.byref(buf), ctypes.byref(size)), "ucp_rkey_pack")
+        except RmaError:
+            self.close()
+            raise
+        self.rkey = ctypes.string_at(buf, size.value)
+        ucp.rkey_buffer_release(buf)
+
+    def close(self) -> None:
+        """Unmap (idempotent). On RDMA a key of this region stops working; see docs/kvtransfer.md
+        for what shared memory and CMA do instead."""
+        if self.memh is not None:
+            memh, self.memh = self.memh, None
+            _lib().check(_lib().mem_unmap(self._context, memh), "ucp_mem_unmap")
+
+
+class RemoteKey:
+    """A peer's packed key unpacked on endpoint `ep` (a `ucp_ep_h`)."""
+
+    def __init__(self, ep: int, packed: bytes) -> None:
+        rkey = ctypes.c_void_p()
+        _lib().check(_lib().ep_rkey_unpack(ep, packed, ctypes.byref(rkey)), "ucp_ep_rkey_unpack")
+        self.ep, self.handle = ep, rkey.value
+
+    def close(self) -> None:
+        if self.handle is not None:
+            handle, self.handle = self.handle, None
+            _lib().rkey_destroy(handle)
+
+
+@dataclass(frozen=True, slots=True)
+class GetRun:
+    """Copy `nbytes` from the peer's `remote_addr` to our `local_addr` (one ucp_get_nbx)."""
+
+    local_addr: int
+    remote_addr: int
+    nbytes: int
+
+
+class _Batch:
+    """Gets of one `Rma.get` call: the last completion (from any thread) resolves the future."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
+        self.loop, self.future = loop, loop.create_future()
+        self.pending, self.error = count + 1, 0  # +1: held by the posting thread until all posted
+        self.lock = threading.Lock()
+
+    def finish(self, status: int) -> None:
+        with self.lock:
+            self.error = self.error or status
+            self.pending -= 1
+            if self.pending:
+                return
+        self.loop.call_soon_threadsafe(self._resolve)
+
+    def _resolve(self) -> None:
+        if self.future.done():
+            return
+        if self.error:
+            self.future.set_exception(RmaError(f"ucp_get_nbx: {_lib().status_string(self.error).decode()}"))
+        else:
+            self.future.set_result(None)
+
+
+class Rma:
+    """RMA on UCXX's context and worker; one per process, created on the event loop after
+    `ucxx.init` (kvtransfer.ucx.UcxTransport.rma)."""
+
+    def __init__(self, context: int, worker: int, memh: int | None = None) -> None:
+        ucp = _lib()
+        attr = _WorkerAttr(field_mask=1)
+        ucp.check(ucp.worker_query(worker, ctypes.byref(attr)), "ucp_worker_query")
+        if attr.thread_mode != _THREAD_MODE_MULTI:
+            raise RmaError(f"the UCX worker is in thread mode {attr.thread_mode}, RMA needs MULTI")
+        self.context, self.worker = context, worker
+        self._loop = asyncio.get_running_loop()
+        self._batches: dict[int, _Batch] = {}
+        self._ids = itertools.count(1)
+        self._callback = _SendCallback(self._on_complete)  # kept alive: UCP holds the pointer
+
+    def register(self, tensor: torch.Tensor) -> MemRegion:
+        """Map `tensor` (contiguous, host memory) for remote reads; the caller closes the region."""
+        if not tensor.is_contiguous():
+            raise ValueError("an RMA region must be contiguous")
+        return MemRegion(self.context, tensor)
+
+    def _on_complete(self, request: int, status: int, user_data: int) -> None:
+        # Called by UCP inside worker progress, on the progressing thread (GIL taken by ctypes).
+        _lib().request_free(request)
+        batch = self._batches.get(user_data)
+        if batch is not None:
+            batch.finish(status)
+
+    def get(
+        self, rkey: RemoteKey, runs: Sequence[GetRun], local: MemRegion | None = None
+    ) -> asyncio.Future[None]:
+        """Post every run's get on `rkey`'s endpoint now; the future completes when all finished
+        (RmaError if any failed). Await it before reusing the destination memory, even on abort.
+        `local`, when given, is the registered region the destinations lie in (saves UCP a lookup)."""
+        ucp = _lib()
+        if rkey.handle is None:
+            raise RmaError("get on a destroyed remote key")
+        batch_id = next(self._ids)
+        batch = self._batches[batch_id] = _Batch(self._loop, len(runs))
+        batch.future.add_done_callback(lambda _: self._batches.pop(batch_id, None))
+        mask = _OP_ATTR_CALLBACK | _OP_ATTR_USER_DATA
+        if local is not None and local.memh is not None:
+            mask |= _OP_ATTR_MEMH
+        param = _RequestParam(
+            op_attr_mask=mask, cb=self._callback, user_data=batch_id, memh=local.memh if local else None
+        )
+        for run in runs:
+            ptr = ucp.get_nbx(
+                rkey.ep, run.local_addr, run.nbytes, run.remote_addr, rkey.handle, ctypes.byref(param)
+            )
+            status = ctypes.c_int64(ptr or 0).value
+            if status == 0 or _ERR_LAST < status < 0:
+                batch.finish(int(status))  # completed at once, or failed at once
+            # else: a request; `_on_complete` finishes it
+        batch.finish(0)
+        return batch.future
