@@ -20,7 +20,7 @@ from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arg
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSFER_BACKENDS = ("ucx", "tcp", "nixl")  # nixl: the `nixl` extra
-KV_TRANSFER_MODES = ("push", "pull")
+KV_TRANSFER_MODES = ("auto", "push", "pull")
 
 
 @dataclass(slots=True)
@@ -45,7 +45,7 @@ class WorkerSettings:
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
     ucx_progress_mode: str = "hybrid"  # kvtransfer.ucx.PROGRESS_MODES; docs/kvtransfer.md measures them
-    kv_transfer_mode: str = "push"  # decode side: P sends (push) or D reads with UCX gets (pull)
+    kv_transfer_mode: str = "auto"  # decode side: P sends (push) or D reads with UCX gets (pull); `pulls`
     control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
     coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
@@ -68,7 +68,9 @@ class WorkerSettings:
                 f"--transfer-backend must be one of {TRANSFER_BACKENDS}, got {self.transfer_backend!r}"
             )
         if self.kv_transfer_mode not in KV_TRANSFER_MODES:
-            raise ValueError(f"--kv-transfer-mode must be push or pull, got {self.kv_transfer_mode!r}")
+            raise ValueError(
+                f"--kv-transfer-mode must be one of {KV_TRANSFER_MODES}, got {self.kv_transfer_mode!r}"
+            )
         if self.kv_transfer_mode == "pull" and self.transfer_backend != "ucx":
             raise ValueError("--kv-transfer-mode pull reads with UCX gets: it needs --transfer-backend ucx")
         if self.lease_ms < 1 or self.queue_lease_ms < 1:
@@ -77,6 +79,18 @@ class WorkerSettings:
             )
         if not self.served_model_name:
             self.served_model_name = default_served_name(self.model)
+
+    @property
+    def pulls(self) -> bool:
+        """Whether this decode worker reads the KV itself. `auto` pulls over UCX: pushing keeps D's
+        receives posted (and its event loop polling UCX) through P's whole prefill, which cost D's
+        decode steps 1.6x their time in the serving benchmark (docs/kvtransfer.md, "One-sided pull");
+        TCP and NIXL push with their own protocols."""
+        if self.role != "decode":
+            return False  # a prefill worker follows each Reserved.pull; a colocated one moves no KV
+        return self.kv_transfer_mode == "pull" or (
+            self.kv_transfer_mode == "auto" and self.transfer_backend == "ucx"
+        )
 
     @property
     def coordinator_address(self) -> str:
@@ -204,7 +218,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
             "--kv-transfer-mode",
             choices=KV_TRANSFER_MODES,
             default=w["kv_transfer_mode"],
-            help="push: the prefill worker sends the KV; pull: this worker reads it (UCX gets, ucx backend)",
+            help="push: the prefill worker sends the KV; pull: this worker reads it (UCX gets, ucx backend); "
+            "auto: pull over ucx, else push",
         )
 
 

@@ -97,7 +97,7 @@ class TransferPlane:
             min_direct_bytes=settings.kv_direct_bytes,
         )
         self.initiates = settings.role == "decode"
-        self.pull = settings.kv_transfer_mode == "pull"
+        self.pull = settings.pulls
         self._mapped: MappedPool | None = None
         self.on_release: Callable[[], None] = lambda: None
         self._connecting: dict[str, asyncio.Task[Peer]] = {}

@@ -31,6 +31,16 @@ async def test_health_and_models(cluster: LocalCluster) -> None:
         assert len(model.identity) == 64
 
 
+async def test_decode_workers_pull_the_kv_over_ucx_by_default(cluster: LocalCluster) -> None:
+    """`--kv-transfer-mode auto` (the default) pulls over UCX: D maps its pool for one-sided reads,
+    and P maps its own at its first pull request."""
+    async with client_for(cluster) as client:
+        await client.complete([5, 6, 7], max_tokens=2, temperature=0.0)
+    assert cluster.spec.log_dir is not None
+    for role in ("prefill-0", "decode-0", "decode-1"):
+        assert "kv pool mapped for one-sided reads" in (cluster.spec.log_dir / f"{role}.log").read_text()
+
+
 async def test_sixteen_concurrent_generations_match_transformers_greedy(
     cluster: LocalCluster, hf_greedy: Callable[[list[int], int], list[int]], model_dir: object
 ) -> None:

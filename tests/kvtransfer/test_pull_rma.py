@@ -174,8 +174,11 @@ def test_pull_mode_needs_the_ucx_backend() -> None:
     assert WorkerSettings(**base, kv_transfer_mode="pull").kv_transfer_mode == "pull"
     with pytest.raises(ValueError, match="needs --transfer-backend ucx"):
         WorkerSettings(**base, kv_transfer_mode="pull", transfer_backend="tcp")
-    with pytest.raises(ValueError, match="push or pull"):
+    with pytest.raises(ValueError, match="auto"):
         WorkerSettings(**base, kv_transfer_mode="pul")
+    # auto, the default: pull over UCX, push over the backends with their own protocols
+    assert WorkerSettings(**base).pulls and WorkerSettings(**base, kv_transfer_mode="push").pulls is False
+    assert not WorkerSettings(**base, transfer_backend="tcp").pulls
 
 
 @pytest.mark.parametrize("victim", ["sender", "receiver"])
