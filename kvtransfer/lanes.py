@@ -15,6 +15,7 @@ unparseable becomes `unknown`, so a label's values stay few whatever a peer's st
 
 from __future__ import annotations
 
+import functools
 import re
 
 _LANE = re.compile(r"([A-Za-z0-9_]+)/([^(\s]+)\(([^)]*)\)")
@@ -22,6 +23,7 @@ _NAME = re.compile(r"[a-z0-9_]{1,16}")
 MAX_NAMES = 3
 
 
+@functools.lru_cache(maxsize=256)  # called per chunk and per session; a peer's string never changes
 def transport_label(transports: str) -> str:
     """The label of a `Peer.transports` string (see the module docstring)."""
     backend, _, lanes = transports.partition(":")

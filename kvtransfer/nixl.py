@@ -56,6 +56,9 @@ log = structlog.get_logger(__name__)
 _FRAME = struct.Struct("<BQQQiI")
 _META, _RTS, _DONE, _WITHDRAWN = 1, 2, 3, 4
 MAX_PAYLOAD = 64 << 10  # NIXL metadata of one registration is a few hundred bytes
+# RTS frames the receiver holds for tags it has not posted (yet): a peer past this is broken (or
+# hostile) and is dropped, rather than growing our memory frame by frame.
+MAX_UNMATCHED_RTS = 4096
 KEEPALIVE_S = 2  # idle seconds before TCP probes a silent peer (then 3 probes, 1 s apart)
 REGISTER_MODES = ("storage", "tensor")
 
@@ -160,8 +163,10 @@ class NixlPeer(Peer):
                 self._agent.add_remote_agent(payload)  # the sender's new registration
             if tag in self._posted:
                 self._start_read(tag, (addr, nbytes, device))
-            else:
+            elif tag in self._rts or len(self._rts) < MAX_UNMATCHED_RTS:
                 self._rts[tag] = (addr, nbytes, device)
+            else:
+                raise ConnectionError(f"over {MAX_UNMATCHED_RTS} announced messages nobody posted")
         elif kind == _DONE:
             self._on_done(tag, bool(addr))
         elif kind == _WITHDRAWN:

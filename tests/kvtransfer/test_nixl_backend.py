@@ -157,3 +157,24 @@ def test_kvbench_measures_the_nixl_backend_beside_its_variants(tmp_path: Path) -
     assert [r["backend"] for r in rows] == ["nixl", "nixl-tensor"]
     assert all(r["verified"] is True and r["gbps"] > 0 for r in rows)
     assert all(r["transport"] == "nixl: UCX READ (receiver-pulled)" for r in rows)
+
+
+async def test_a_peer_announcing_endless_unposted_messages_is_dropped() -> None:
+    """Every RTS for a tag nobody posted is held for a later post, up to MAX_UNMATCHED_RTS; a peer
+    past that is dropped as broken instead of growing the receiver's memory."""
+    from kvtransfer.nixl import _RTS, MAX_UNMATCHED_RTS
+
+    p = Pair(NixlSettings())
+    await p.start()
+    try:
+        sender = p.to_receiver
+        for tag in range(MAX_UNMATCHED_RTS):
+            await sender._write(_RTS, tag + 1, 0, 1)  # type: ignore[attr-defined]
+        await sender._write(_RTS, 1, 0, 1)  # type: ignore[attr-defined]  # a repeat is no new one
+        held = p.to_sender._rts  # type: ignore[attr-defined]
+        await _until(lambda: len(held) == MAX_UNMATCHED_RTS and not p.to_sender.lost, "all held")
+        await sender._write(_RTS, MAX_UNMATCHED_RTS + 1, 0, 1)  # type: ignore[attr-defined]
+        await _until(lambda: p.to_sender.lost, "the receiver dropped the peer")
+        assert "nobody posted" in (p.to_sender.lost_reason or "")
+    finally:
+        await p.close()
