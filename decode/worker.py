@@ -60,6 +60,7 @@ class DecodeRequest(WorkerRequest):
     kv_start_token: int = 0
     session: SinkSession | None = None
     pull: bool = False  # D reads the KV itself (Reserved.pull); the session opens at chunk 0
+    transfer_secret: bytes = b""  # the session's secret, sent in Reserved; both sides build with it
     release_session: Callable[[list[int]], None] | None = None
     chunks: set[int] = field(default_factory=set)
     first_chunk_at: float | None = None
@@ -133,7 +134,7 @@ class DecodeWorker(WorkerRole):
             return
         if not self.is_current(r):
             return  # aborted while connecting
-        secret = new_session_secret()  # goes out in Reserved only
+        secret = r.transfer_secret = new_session_secret()  # goes out in Reserved only
         r.pull = self.plane.pull
         if not r.pull:
             r.release_session = self.plane.hold(ids)
@@ -220,7 +221,7 @@ class DecodeWorker(WorkerRole):
                 r.release_session = self.plane.hold(r.reserved_blocks)
                 key, cache = session_key(r.rid, r.generation), self.plane.cache
                 r.session = PullRecvSession(
-                    peer, key, new_session_secret(), cache, r.reserved_blocks, r.release_session,
+                    peer, key, r.transfer_secret, cache, r.reserved_blocks, r.release_session,
                     self.plane.mapped_pool(), source, self.plane.config,
                 )  # fmt: skip
                 self.spawn(self._receive, r, r.session)
