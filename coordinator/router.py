@@ -23,7 +23,8 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
 
     work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
     local_ms = work x its cost_per_token + ceil(work / spare) x its decode step (>= its step base)
-    spare = its step token budget - its running sequences (one decode token each per step)
+    spare = its step token budget - its running sequences (one decode token each per step), at most
+            its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
 
 `conditional` takes the local path when it is cheaper and the uncached prompt is at most
 `local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core);
@@ -50,6 +51,7 @@ from dataclasses import dataclass, replace
 from coordinator.routing_policy import RoutingPolicy
 from coordinator.workers import COLOCATED, DECODE, WorkerInfo, WorkerRegistry
 from engine.block_pool import hash_block
+from engine.config import prefill_budget
 from splitserve.v1 import serving_pb2
 
 # used until some prefill worker has measured its cost (microseconds per uncached prompt token)
@@ -196,7 +198,9 @@ class Router:
         """`decode` prefilling the sequence itself within its spare step budget; None when its
         running decodes leave no budget (or it has not reported its budget yet)."""
         load = decode.load
-        spare = load.step_token_budget - load.running_requests
+        spare = prefill_budget(
+            load.step_token_budget, load.prefill_tokens_while_decoding, load.running_requests
+        )
         if spare <= 0:
             return None
         cached = self.cached_tokens(decode, token_ids, hashes)

@@ -11,12 +11,24 @@ if TYPE_CHECKING:
 DTYPES = ("float32", "bfloat16", "float16")  # torch dtype names; torch loads only for `torch_dtype`
 
 
+def prefill_budget(step_budget: int, cap: int, decodes: int) -> int:
+    """Prompt tokens one step may carry beside `decodes` running decodes: the step budget they leave,
+    at most `cap` (`EngineConfig.prefill_tokens_while_decoding`, 0: off) while any decode runs. The
+    scheduler applies it; the router projects a decode worker's local prefill with it."""
+    spare = step_budget - decodes
+    return min(spare, cap) if cap and decodes else spare
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How one engine instance sizes its KV pool and its steps.
 
     `num_blocks` fixes the KV pool size; when None it is derived from `kv_cache_memory_bytes`.
     `max_num_batched_tokens` is the per-step token budget that chunked prefill and decode share.
+    `prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step that also carries a
+    running decode, so a prompt prefilled beside decodes (a decode worker's local prefill) adds at
+    most that many tokens of compute to their inter-token latency; a step with no decode uses the
+    whole budget.
 
     Role policy (set by the role that builds the engine, never changed after construction):
     `prefill_only` finishes a sequence after its first sample (its `finish_reason` is its stop reason,
@@ -29,6 +41,7 @@ class EngineConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int = 256 << 20
     max_num_batched_tokens: int = 512
+    prefill_tokens_while_decoding: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -45,6 +58,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.prefill_tokens_while_decoding < 0:
+            raise ValueError(
+                f"prefill_tokens_while_decoding must be >= 0 (0: off), got {self.prefill_tokens_while_decoding}"
+            )
 
     @property
     def torch_dtype(self) -> torch.dtype:

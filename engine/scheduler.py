@@ -6,7 +6,8 @@ decode. One step serves running sequences first, then admits waiting ones while 
 the KV pool allow. Running decodes (one token each) take the budget before running prompt chunks
 (each group oldest first), so a long prompt is prefilled in chunks that fit beside the decodes
 (Sarathi-Serve's stall-free batching): a decode never waits for a prompt, and a step computes at most
-the budget. When the pool is short, the newest running sequence not yet scheduled this step is
+the budget. With `prefill_tokens_while_decoding` a step that carries decodes schedules at most that
+many prompt tokens, so a prefill beside running requests stretches their step by a bounded amount. When the pool is short, the newest running sequence not yet scheduled this step is
 preempted: its blocks are freed and it returns to the front of the queue to be re-prefilled.
 
 A sequence whose KV another worker computes takes a third way in: `reserve` (all or nothing) holds
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, prefill_budget
 from engine.kv_manager import KVCacheManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -101,14 +102,23 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         taken: set[Sequence] = set()
+        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        cap = self.config.prefill_tokens_while_decoding
+        prefill = prefill_budget(budget, cap, decodes)  # prompt tokens left this step
         # decodes first, then prompt chunks (each oldest first): a prefill only gets the budget the
-        # running decodes leave, so it never delays their next token by more than one step's budget
+        # running decodes leave (and, beside decodes, at most prefill_tokens_while_decoding), so it
+        # never delays their next token by more than that
         for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below for an earlier sequence's slots
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n > 1:  # a prompt chunk
+                n = min(n, prefill)
+                if n <= 0:
+                    break  # prompt chunks come last: the prefill budget is spent
+                prefill -= n
             while not self.kv.allocate_slots(seq, n):
                 victim = next(s for s in reversed(self.running) if s not in taken)
                 self.running.remove(victim)
@@ -120,14 +130,20 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, n))
                 taken.add(seq)
                 budget -= n
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs and not preempted:
+        while (
+            self.waiting
+            and min(budget, prefill) > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not preempted
+        ):
             seq = self.waiting[0]
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill)
             if not self.kv.allocate_slots(seq, n):
                 self._reset(seq)
                 break
+            prefill -= n
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

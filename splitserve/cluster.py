@@ -31,6 +31,8 @@ from typing import IO, Any
 
 import structlog
 
+from engine.config import EngineConfig
+from engine.worker.settings import field_defaults
 from splitserve.control_auth import KeySet
 from splitserve.placement import pin_hook, thread_env
 from splitserve.progress import ENV as PROGRESS_ENV
@@ -98,6 +100,9 @@ class ClusterSpec:
     port: int = 0
     http_port: int = 0
     transfer_backend: str = "tcp"
+    dtype: str = field_defaults(EngineConfig)[
+        "dtype"
+    ]  # every worker's weights and KV (engine.config.DTYPES): one dtype per cluster
     coordinator_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
@@ -205,6 +210,8 @@ class LocalCluster:
                 "0",
                 "--transfer-backend",
                 s.transfer_backend,
+                "--dtype",
+                s.dtype,
             ]
             extra = {"prefill": s.prefill_args, "decode": s.decode_args, "colocated": s.decode_args}
             pending = []

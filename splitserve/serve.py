@@ -7,6 +7,7 @@ import signal
 import threading
 from collections.abc import Callable
 
+from engine.config import DTYPES
 from engine.model_dir import MODEL_HELP
 from engine.worker.settings import TRANSFER_BACKENDS, field_defaults
 from splitserve.cluster import MODES, ClusterSpec
@@ -34,6 +35,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-workers", type=int, default=spec["decode_workers"])
     parser.add_argument("--mode", choices=MODES, default=spec["mode"])
     parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=spec["transfer_backend"])
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default=spec["dtype"], help="every worker's weights and KV dtype"
+    )
     parser.add_argument("--host", default=spec["host"])
     parser.add_argument(
         "--log-dir",
@@ -84,6 +88,7 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         port=getattr(args, "port", 0),
         http_port=getattr(args, "http_port", 0),
         transfer_backend=args.transfer_backend,
+        dtype=args.dtype,
         log_dir=choose_log_dir(args.log_dir, log_files_by_default),
         insecure_control_plane=bool(args.insecure_control_plane),
         cpus=dict(args.pin),

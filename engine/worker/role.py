@@ -267,6 +267,7 @@ class WorkerRole:
             + sum(n for n in prefilling if n > 1),  # a decode's one token is not prefill work
             running_requests=len(sched.running),
             step_token_budget=self.engine.config.max_num_batched_tokens,
+            prefill_tokens_while_decoding=self.engine.config.prefill_tokens_while_decoding,
             prefill_us_per_token=self.stepper.cost.us_per_token,
             step_base_ms=self.stepper.cost.base_ms,
             decode_step_ms=self.stepper.decode_step_ms,

@@ -161,6 +161,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         default=e["max_num_batched_tokens"],
         help="token budget of one step",
     )
+    a(
+        "--prefill-tokens-while-decoding",
+        type=int,
+        default=e["prefill_tokens_while_decoding"],
+        help="prompt tokens a step may carry beside running decodes (decode worker's local prefill: "
+        "bounds their inter-token latency; 0: the step budget)",
+    )
     a("--max-num-seqs", type=int, default=e["max_num_seqs"], help="sequences in one step at most")
     a("--max-model-len", type=int, default=e["max_model_len"], help="context limit (default: the model's)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -229,6 +236,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         num_blocks=args.num_gpu_blocks,
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,

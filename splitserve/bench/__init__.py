@@ -240,6 +240,8 @@ def run(args: argparse.Namespace) -> int:
         "pin": {k: list(v) for k, v in args.pin.items()},
         "threads": args.threads,
         "router_tpot_slo_ms": None if args.target else router_tpot,
+        "dtype": None if args.target else args.dtype,
+        "transfer_backend": None if args.target else args.transfer_backend,
     }
     print(render(study))
     if args.json:

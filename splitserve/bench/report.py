@@ -38,6 +38,9 @@ def render(study: dict[str, Any]) -> str:
         f"{k} TTFT {v['ttft_ms']:.0f} / TPOT {v['tpot_ms']:.1f}" for k, v in slo["by_kind"].items()
     )
     lines.append(f"SLO ({how}): {kinds}")
+    served = study.get("workload", {})
+    if served.get("dtype"):
+        lines.append(f"served: {served['dtype']}, KV transfer over {served['transfer_backend']}")
     for v in study["variants"]:
         mark = "  <- best chunk budget" if v["best"] else ""
         lines.append(f"goodput {v['name']}: {v['goodput']:g} req/s (>= {study['goodput_target']:.0%}){mark}")

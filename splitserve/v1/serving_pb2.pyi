@@ -1488,6 +1488,7 @@ class WorkerLoad(_message.Message):
     STEP_TOKEN_BUDGET_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_MS_FIELD_NUMBER: _builtins.int
     STEP_BASE_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_WHILE_DECODING_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1516,6 +1517,10 @@ class WorkerLoad(_message.Message):
     """
     step_base_ms: _builtins.float
     """The fixed part of one engine step from the same fit, milliseconds; 0 until known."""
+    prefill_tokens_while_decoding: _builtins.int
+    """Prompt tokens one step may carry beside running decodes (--prefill-tokens-while-decoding);
+    0: no cap beyond step_token_budget.
+    """
     def __init__(
         self,
         *,
@@ -1529,10 +1534,11 @@ class WorkerLoad(_message.Message):
         step_token_budget: _builtins.int = ...,
         kv_transfer_ms: _builtins.float = ...,
         step_base_ms: _builtins.float = ...,
+        prefill_tokens_while_decoding: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,6 +44,49 @@ def test_running_decodes_take_the_step_budget_before_a_prompt_chunk(loaded: Load
     engine.pool.check_integrity()
 
 
+def test_a_prefill_beside_decodes_stays_within_prefill_tokens_while_decoding(loaded: LoadedModel) -> None:
+    """With the cap at 6 of a 64-token budget, no step that carries a decode schedules more than 6
+    prompt tokens (two prompts queued: the cap is for both together); once nothing decodes, a prompt
+    takes the whole budget; the output is the uncapped engine's."""
+
+    def run(cap: int) -> tuple[dict[str, list[int]], list[tuple[int, int]]]:
+        config = EngineConfig(
+            block_size=4, num_blocks=128, max_num_batched_tokens=64, prefill_tokens_while_decoding=cap
+        )
+        engine = LLMEngine(loaded, config)
+        rng = random.Random(3)
+        decodes = []
+        for i in range(2):
+            params = SamplingParams(temperature=0.0, max_tokens=12 + 8 * i, ignore_eos=True)
+            seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), params)
+            assert engine.reserve(seq) is not None
+            engine.join(seq, 7)
+            decodes.append(seq)
+        prompts = [engine.add_request(f"p{i}", random_prompt(rng, n), GREEDY) for i, n in enumerate((40, 9))]
+        late = None
+        steps = []  # (decodes, prompt tokens) per step
+        while engine.has_unfinished():
+            out = engine.schedule()
+            chunks = [
+                i.num_new_tokens for i in out.scheduled if i.seq.num_computed_tokens < i.seq.num_prompt_tokens
+            ]
+            steps.append((len(out.scheduled) - len(chunks), sum(chunks)))
+            engine.finish_step(out, engine.execute(out))
+            if late is None and all(s.is_finished for s in decodes + prompts):
+                late = engine.add_request("late", random_prompt(rng, 50), GREEDY)  # nothing decodes now
+        engine.pool.check_integrity()
+        seqs = [*decodes, *prompts, late]
+        return {s.request_id: s.output_token_ids for s in seqs if s is not None}, steps
+
+    capped, steps = run(6)
+    assert all(prefill <= 6 for decoding, prefill in steps if decoding), steps
+    assert any(decoding and prefill == 6 for decoding, prefill in steps)  # the cap is used, not starved
+    assert (0, 50) in steps  # the late prompt, alone: one step of the whole budget
+    uncapped, free_steps = run(0)
+    assert any(decoding and prefill > 6 for decoding, prefill in free_steps)  # the cap made the difference
+    assert capped == uncapped
+
+
 async def test_three_paths_give_the_same_greedy_output(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
