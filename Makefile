@@ -54,17 +54,21 @@ bench: setup
 kvbench: setup
 	$(BIN)/kvbench run --backend ucx,tcp
 
-# issue 12's serving study (docs/performance.md): the docs-chats mix, each mode on its own cluster, the
-# colocated baseline tuned over chunk budgets; a new mode is one more entry in STUDY_MODES. Rates from
-# 0.25/s so goodput is defined for every mode; conditional holds D to the 80 ms TPOT SLO
-# (--router-tpot-slo-ms defaults to --slo-tpot-ms). About 25 minutes on a quiet 2-core box.
+# issue 12's serving study (docs/performance.md), the exact command of the final quiet measurement:
+# the docs-chats mix in bfloat16 (every mode), each mode on its own cluster, the colocated baseline
+# tuned over chunk budgets; rates 0.25-2/s so the best mode's goodput is bracketed; conditional holds
+# D to the 80 ms TPOT SLO (--router-tpot-slo-ms defaults to --slo-tpot-ms) and D's local prefill to
+# 16 tokens a step beside its decodes. About 20 minutes on a quiet 2-core box.
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
+STUDY_ARGS  ?=
 study: setup
 	$(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256 \
-		--mix docs-chats --num-requests 30 --rates 0.25,0.5,0.75,1 --slo-ttft-ms 3000 --slo-tpot-ms 80 \
-		--slo-scales 1,2,4,8,16 --scale-rate 1 --pin prefill=0,decode=1 \
-		--threads prefill=1,decode=1,colocated=2 --json $(STUDY_OUT)/study.json --plots $(STUDY_OUT)
+		--dtype bfloat16 --mix docs-chats --num-requests 24 --rates 0.25,0.5,0.75,1,1.5,2 \
+		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 1 \
+		--pin prefill=0,decode=1 --threads prefill=1,decode=1,colocated=2 \
+		--prefill-tokens-while-decoding 16 --transfer-backend tcp \
+		--json $(STUDY_OUT)/study.json --plots $(STUDY_OUT) $(STUDY_ARGS)
 
 # every GPU check, one table (docs/gpu-check.md). No `setup`: the GPU machine has no registry, so
 # there it runs the image's python3 (make gpu-check PY=python3) with what `make gpu-stage` packed.

@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    from coordinator.routing_policy import DISAGGREGATION, RoutingPolicy
+    from coordinator.routing_policy import DISAGGREGATION, TPOT_GUARDS, RoutingPolicy
 
     default = field_defaults(RoutingPolicy)
     parser.add_argument(
@@ -145,6 +145,13 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         default=default["tpot_slo_ms"],
         help="conditional: prefill on a decode worker only while its running requests' projected TPOT "
         "stays within this (ms; 0 = off: TTFT alone decides)",
+    )
+    parser.add_argument(
+        "--tpot-guard",
+        choices=TPOT_GUARDS,
+        default=default["tpot_guard"],
+        help="ceiling: local only while every running request's projected TPOT is within --tpot-slo-ms; "
+        "increment: unless it pushes one that would meet the target over it",
     )
 
 
@@ -230,7 +237,9 @@ def _config(
         control_key=args.control_key,
         control_authorized_keys=args.control_authorized_keys,
         insecure_control_plane=bool(args.insecure_control_plane),
-        routing=RoutingPolicy(args.disaggregation, args.local_prefill_max_tokens, args.tpot_slo_ms),
+        routing=RoutingPolicy(
+            args.disaggregation, args.local_prefill_max_tokens, args.tpot_slo_ms, args.tpot_guard
+        ),
     )
 
 

@@ -39,8 +39,11 @@ over its `n - 1` inter-token gaps:
     projected_tpot = max over running requests of  step + min(work, r x spare) x cost / (n - 1)
     step = its measured decode step (step base + running x cost before it has one)
 
-and `conditional` goes local only while that stays within the target, so a decode worker already at
-its target sheds prefill to the prefill workers (whose queue then meters new decodes into it).
+and `conditional` goes local only while that stays within the target (`--tpot-guard ceiling`), so a
+decode worker already at its target sheds prefill to the prefill workers (whose queue then meters new
+decodes into it). `--tpot-guard increment` judges only what this prompt adds: it refuses local when a
+running request whose projection without the prompt's tokens is within the target would be over it
+with them; a decode worker over the target by its own step then still takes short prompts.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class Placement:
     tpot_target_ms: float = 0.0
     local_added_ms: float = 0.0
     decode_running: int = 0
+    local_pushed_over: int = 0  # running requests the local prefill would push over the TPOT target
 
     @property
     def colocated(self) -> bool:
@@ -137,6 +141,7 @@ class LocalEstimate:
     cached_tokens: int
     spare_tokens: int  # step budget its running decodes leave
     work_tokens: int  # its queued prefill + placed since + this sequence's uncached tokens
+    own_tokens: int  # this sequence's uncached tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,7 @@ class TpotEstimate:
     added_ms: float  # step time the prefill work adds, spread over the running requests' tokens
     tpot_ms: float  # the worst running request's projected TPOT; 0 with nothing running
     running: int
+    pushed_over: int = 0  # running requests within the target without this prompt, over it with it
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, model_identity: str) -> list[int]:
@@ -208,7 +214,7 @@ class Router:
         steps = -(-work // spare)
         step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
         ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms
-        return LocalEstimate(ttft, cached, spare, work)
+        return LocalEstimate(ttft, cached, spare, work, len(token_ids) - cached)
 
     def estimate_tpot(
         self, decode: WorkerInfo, est: LocalEstimate, running: Sequence[RunningDecode]
@@ -218,11 +224,15 @@ class Router:
         added = est.work_tokens * cost_ms
         load = decode.load
         step = load.decode_step_ms or load.step_base_ms + len(running) * cost_ms
-        worst = 0.0
+        worst, pushed = 0.0, 0
+        target = self.policy.tpot_slo_ms
+        before = est.work_tokens - est.own_tokens  # the prefill work D has without this prompt
         for r in running:
-            hit = min(est.work_tokens, r.remaining_tokens * est.spare_tokens) * cost_ms
-            worst = max(worst, step + hit / max(1, r.output_tokens - 1))
-        return TpotEstimate(added, worst, len(running))
+            gaps, room = max(1, r.output_tokens - 1), r.remaining_tokens * est.spare_tokens
+            tpot = step + min(est.work_tokens, room) * cost_ms / gaps
+            worst = max(worst, tpot)
+            pushed += step + min(before, room) * cost_ms / gaps <= target < tpot
+        return TpotEstimate(added, worst, len(running), pushed)
 
     def cached_tokens(
         self, worker: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
@@ -266,7 +276,10 @@ class Router:
             return local or remote
         too_long = local.uncached_tokens > self.policy.local_prefill_max_tokens
         target = self.policy.tpot_slo_ms
-        over_tpot = target > 0 and local.local_tpot_ms > target
+        if self.policy.tpot_guard == "increment":
+            over_tpot = target > 0 and local.local_pushed_over > 0
+        else:
+            over_tpot = target > 0 and local.local_tpot_ms > target
         if remote is None:  # no prefill worker can take it now: wait for one (or for D's TPOT)
             return None if too_long or over_tpot else local
         if too_long or over_tpot or local.local_ttft_ms >= remote.remote_ttft_ms:
@@ -350,6 +363,7 @@ class Router:
             target,
             tpot.added_ms,
             tpot.running,
+            tpot.pushed_over,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -390,4 +404,5 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         tpot_target_ms=local.tpot_target_ms,
         local_added_ms=local.local_added_ms,
         decode_running=local.decode_running,
+        local_pushed_over=local.local_pushed_over,
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DISAGGREGATION = ("always", "never", "conditional")  # the first is the default
+TPOT_GUARDS = ("ceiling", "increment")  # the first is the default
 
 
 @dataclass(frozen=True, slots=True)
@@ -16,12 +17,15 @@ class RoutingPolicy:
     is prefilled on its decode worker; `conditional`: per request, whichever path has the lower
     estimated TTFT, but on the decode worker only when at most `local_prefill_max_tokens` of the
     prompt are uncached there, and, with `tpot_slo_ms` > 0, only while the decode worker's projected
-    TPOT with that prefill in its steps stays within `tpot_slo_ms` (0: TTFT alone decides). Created
-    once from the flags, never changed."""
+    TPOT with that prefill in its steps stays within `tpot_slo_ms` (0: TTFT alone decides): under
+    the `ceiling` guard while every running request's projection does, under `increment` unless the
+    prefill pushes a request that would meet the target without it over it. Created once from the
+    flags, never changed."""
 
     disaggregation: str = DISAGGREGATION[0]
     local_prefill_max_tokens: int = 512
     tpot_slo_ms: float = 0.0
+    tpot_guard: str = TPOT_GUARDS[0]
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATION:
@@ -30,5 +34,7 @@ class RoutingPolicy:
             )
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.tpot_guard not in TPOT_GUARDS:
+            raise ValueError(f"--tpot-guard must be one of {', '.join(TPOT_GUARDS)}, got {self.tpot_guard!r}")
         if not self.tpot_slo_ms >= 0:  # also refuses NaN
             raise ValueError(f"--tpot-slo-ms must be >= 0 (0 = off), got {self.tpot_slo_ms}")

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from coordinator.routing_policy import TPOT_GUARDS
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
 from splitserve.bench.study import CONTROL_PLANES, StudyPlan, run_study, variants
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
@@ -157,6 +158,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the coordinator's --tpot-slo-ms (conditional: local prefill only within it; default: the "
         "absolute --slo-tpot-ms, 0 under --slo-scale; 0 = off)",
     )
+    a(
+        "--router-tpot-guard",
+        choices=TPOT_GUARDS,
+        default=None,
+        help="the coordinator's --tpot-guard (default: the coordinator's)",
+    )
+    a(
+        "--prefill-tokens-while-decoding",
+        type=int,
+        default=0,
+        help="the decode workers' (disaggregated, conditional) cap on prompt tokens per step beside "
+        "running decodes: bounds their ITL while they prefill locally (0: none)",
+    )
     a("--unloaded-probes", type=int, default=2, help="unloaded requests per kind before each sweep")
     a("--request-timeout", type=float, default=300.0)
     a("--json", type=Path, default=None, help="write the whole study (JSON) here")
@@ -187,6 +201,8 @@ def _usage_error(args: argparse.Namespace) -> str:
         return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
     if args.router_tpot_slo_ms is not None and not args.router_tpot_slo_ms >= 0:
         return "--router-tpot-slo-ms must be >= 0 (0 = off)"
+    if args.prefill_tokens_while_decoding < 0:
+        return "--prefill-tokens-while-decoding must be >= 0 (0 = none)"
     if args.num_requests < 1 or args.unloaded_probes < 1 or args.rounds < 1:
         return "--num-requests, --unloaded-probes and --rounds must be >= 1"
     if args.target and (args.control_planes or args.rounds > 1):
@@ -217,6 +233,7 @@ def run(args: argparse.Namespace) -> int:
         unloaded_probes=args.unloaded_probes,
         request_timeout=args.request_timeout,
         scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),
+        decode_cap=args.prefill_tokens_while_decoding,
     )
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
@@ -228,6 +245,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.target:
         spec = cluster_spec(args)
         spec.coordinator_args = [*spec.coordinator_args, "--tpot-slo-ms", f"{router_tpot:g}"]
+        if args.router_tpot_guard:
+            spec.coordinator_args += ["--tpot-guard", args.router_tpot_guard]
     study = run_study(plan, vs, spec, args.target, say=say)
     study["workload"] = {
         "num_requests": len(plan.items),
@@ -240,6 +259,8 @@ def run(args: argparse.Namespace) -> int:
         "pin": {k: list(v) for k, v in args.pin.items()},
         "threads": args.threads,
         "router_tpot_slo_ms": None if args.target else router_tpot,
+        "router_tpot_guard": args.router_tpot_guard,
+        "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "dtype": None if args.target else args.dtype,
         "transfer_backend": None if args.target else args.transfer_backend,
     }

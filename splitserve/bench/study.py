@@ -39,6 +39,7 @@ from splitserve.bench.workload import Item, arrivals
 from splitserve.cluster import ClusterSpec, LocalCluster
 
 BUDGET_FLAG = "--max-num-batched-tokens"  # the engine's per-step (chunked-prefill) token budget
+CAP_FLAG = "--prefill-tokens-while-decoding"  # a decode worker's prompt tokens per step beside decodes
 
 
 CONTROL_PLANES = ("curve", "plain")  # plain: --insecure-control-plane
@@ -78,10 +79,12 @@ def variants(
     return out
 
 
-def variant_spec(base: ClusterSpec, v: Variant) -> ClusterSpec:
-    """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget; logs in a
-    subdirectory."""
+def variant_spec(base: ClusterSpec, v: Variant, decode_cap: int = 0) -> ClusterSpec:
+    """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget (colocated)
+    or `decode_cap` (the decode workers of the other modes; 0: none); logs in a subdirectory."""
     extra = [] if v.chunk_budget is None else [BUDGET_FLAG, str(v.chunk_budget)]
+    if decode_cap and v.mode != "colocated":
+        extra += [CAP_FLAG, str(decode_cap)]
     log_dir = None if base.log_dir is None else base.log_dir / v.name
     return dataclasses.replace(
         base,
@@ -115,6 +118,7 @@ class StudyPlan:
     unloaded_probes: int
     request_timeout: float
     scale_rate: float
+    decode_cap: int = 0  # the decode workers' --prefill-tokens-while-decoding (not colocated's)
 
 
 def probes(items: list[Item], per_kind: int) -> list[Item]:
@@ -255,7 +259,9 @@ def run_study(
     ref: Reference | None = None
     for v in vs:
         say(f"{v.name}: starting" if base_spec else f"{v.name}: against {target}")
-        with _served(None if base_spec is None else variant_spec(base_spec, v), target) as served:
+        with _served(
+            None if base_spec is None else variant_spec(base_spec, v, plan.decode_cap), target
+        ) as served:
             ref = _sweep(served, v, plan, study, ref)
     _mark_best(study)
     return study

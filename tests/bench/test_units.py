@@ -8,7 +8,7 @@ import pytest
 
 from splitserve.bench.load import RequestTrace
 from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
-from splitserve.bench.study import BUDGET_FLAG, Variant, variant_spec, variants
+from splitserve.bench.study import BUDGET_FLAG, CAP_FLAG, Variant, variant_spec, variants
 from splitserve.bench.workload import MIXES, arrivals, mixed, parse_mix
 from splitserve.cli import build_parser
 from splitserve.cluster import ClusterSpec
@@ -89,6 +89,13 @@ def test_chunk_budgets_make_colocated_variants_with_the_worker_flag() -> None:
     spec = variant_spec(ClusterSpec(mode="disaggregated", decode_args=["--block-size", "4"]), vs[1])
     assert spec.mode == "colocated" and spec.decode_args == ["--block-size", "4", BUDGET_FLAG, "512"]
     assert variant_spec(ClusterSpec(), Variant("disaggregated")).decode_args == []
+
+
+def test_the_decode_cap_goes_to_decode_workers_not_to_the_tuned_colocated_baseline() -> None:
+    base = ClusterSpec(dtype="bfloat16")
+    capped = variant_spec(base, Variant("conditional"), decode_cap=16)
+    assert capped.decode_args == [CAP_FLAG, "16"] and capped.dtype == "bfloat16"
+    assert variant_spec(base, Variant("colocated", 256), decode_cap=16).decode_args == [BUDGET_FLAG, "256"]
 
 
 def test_pin_and_thread_flags_parse() -> None:

@@ -24,8 +24,10 @@ SHORT = list(range(100, 132))  # 32 uncached tokens
 D_LOAD = {"step_token_budget": 64, "running_requests": 8}
 
 
-def guarded_pool(served_model: ServedModel, *, p_queued: int, target: float = TARGET_MS) -> Pool:
-    pool = Pool(served_model, RoutingPolicy("conditional", 512, tpot_slo_ms=target))
+def guarded_pool(
+    served_model: ServedModel, *, p_queued: int, target: float = TARGET_MS, guard: str = "ceiling"
+) -> Pool:
+    pool = Pool(served_model, RoutingPolicy("conditional", 512, tpot_slo_ms=target, tpot_guard=guard))
     pool.add("p", "prefill")
     pool.add("d", "decode", num_blocks=1000)
     pool.report("p", queued_tokens=p_queued, us_per_token=50.0)
@@ -94,6 +96,25 @@ def test_the_projection_uses_the_prefill_budget_d_applies_beside_decodes(served_
     pool.report("d", us_per_token=1000.0, decode_step_ms=20.0, prefill_tokens_while_decoding=8, **idle)
     alone = pool.router.place(SHORT)
     assert alone is not None and alone.decode_spare_tokens == 64
+
+
+def test_the_increment_guard_refuses_only_what_pushes_a_request_over(served_model: ServedModel) -> None:
+    """`--tpot-guard increment`: with D's step alone over the target nobody can be pushed over it, so
+    the short prompt goes local (the ceiling guard sends it to P); with D at 79 ms and 2 ms a token,
+    its 32 tokens (64 ms over 63 gaps: +1.0 ms) push the 64-token requests over 80 ms, so it goes to P."""
+    pool = guarded_pool(served_model, p_queued=4000, guard="increment")
+    on_d = running(8, 60, 64)
+    pool.report("d", decode_step_ms=85.0, **D_LOAD)
+    over = pool.router.place(SHORT, lambda wid: on_d)
+    assert over is not None and over.path == LOCAL and over.local_tpot_ms > TARGET_MS
+    pool.report("d", us_per_token=2000.0, decode_step_ms=79.5, **D_LOAD)
+    pushes = pool.router.place(SHORT, lambda wid: on_d)
+    assert pushes is not None and pushes.path == REMOTE and pushes.local_pushed_over == 8
+    pool.report("d", us_per_token=2000.0, decode_step_ms=70.0, **D_LOAD)
+    room = pool.router.place(SHORT, lambda wid: on_d)
+    assert room is not None and room.path == LOCAL and room.local_pushed_over == 0
+    with pytest.raises(ValueError, match="--tpot-guard"):
+        RoutingPolicy("conditional", tpot_guard="loose")
 
 
 def test_nothing_decoding_costs_no_tpot(served_model: ServedModel) -> None:
