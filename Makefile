@@ -58,7 +58,8 @@ kvbench: setup
 # the docs-chats mix in bfloat16 (every mode), each mode on its own cluster, the colocated baseline
 # tuned over chunk budgets; rates 0.25-2/s so the best mode's goodput is bracketed; conditional holds
 # D to the 80 ms TPOT SLO (--router-tpot-slo-ms defaults to --slo-tpot-ms) and D's local prefill to
-# 16 tokens a step beside its decodes. About 20 minutes on a quiet 2-core box.
+# 16 tokens a step beside its decodes; D pulls the KV over UCX (TCP push measured far worse for D in
+# bf16: docs/performance.md). About 20 minutes on a quiet 2-core box; STUDY_ARGS adds or overrides flags.
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
 STUDY_ARGS  ?=
@@ -67,7 +68,7 @@ study: setup
 		--dtype bfloat16 --mix docs-chats --num-requests 24 --rates 0.25,0.5,0.75,1,1.5,2 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 1 \
 		--pin prefill=0,decode=1 --threads prefill=1,decode=1,colocated=2 \
-		--prefill-tokens-while-decoding 16 --transfer-backend tcp \
+		--prefill-tokens-while-decoding 16 --transfer-backend ucx \
 		--json $(STUDY_OUT)/study.json --plots $(STUDY_OUT) $(STUDY_ARGS)
 
 # every GPU check, one table (docs/gpu-check.md). No `setup`: the GPU machine has no registry, so
