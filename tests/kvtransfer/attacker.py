@@ -4,7 +4,9 @@ never told its transfer key or any session secret. Used by test_outsider.py.
     python -m tests.kvtransfer.attacker SPEC_JSON
 
 SPEC: {"backend", "layout", "target": "host:port", "claim": address to impersonate,
-       "messages": [[tag, nbytes], ...] to send under chosen tags, "byte": payload fill value}.
+       "messages": [[tag, nbytes], ...] to send under chosen tags, "byte": payload fill value,
+       "version", "nonce_bytes": the hello's (kvtransfer.hello's; passed in, so that the TCP attacker
+       imports no part of kvtransfer, whose package import alone costs seconds of CPU)}.
 
 It sends the tagged messages (UCX: straight at the worker, whose tag matching spans endpoints; TCP,
 and NIXL, whose control socket runs the same hello: as TCP RTS/DATA frames, once without any hello
@@ -23,18 +25,14 @@ import struct
 import sys
 from typing import Any
 
-import numpy as np
-
-from kvtransfer.hello import NONCE_BYTES, PROTOCOL_VERSION
-
 _LEN = struct.Struct("<I")
 _HEADER = struct.Struct("<BQQ")  # kvtransfer.tcp's frame header
 _RTS, _DATA = 1, 3
 
 
 def _hello(spec: dict[str, Any]) -> bytes:
-    msg = {"version": PROTOCOL_VERSION, "address": spec["claim"], "layout": spec["layout"]}
-    return json.dumps({**msg, "nonce": secrets.token_hex(NONCE_BYTES)}).encode()
+    msg = {"version": spec["version"], "address": spec["claim"], "layout": spec["layout"]}
+    return json.dumps({**msg, "nonce": secrets.token_hex(spec["nonce_bytes"])}).encode()
 
 
 def _forged_proof() -> bytes:
@@ -91,6 +89,7 @@ def attack_tcp(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 async def attack_ucx(spec: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
     import ucxx
     from ucxx._lib.arr import Array
     from ucxx.types import Tag

@@ -44,6 +44,8 @@ async def run_attacker(backend: str, target: str, claim: str, messages: list[lis
         "claim": claim,
         "messages": messages,
         "byte": ATTACK_BYTE,
+        "version": PROTOCOL_VERSION,
+        "nonce_bytes": NONCE_BYTES,
     }
     argv = [sys.executable, "-m", "tests.kvtransfer.attacker", json.dumps(spec)]
     done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=120)
