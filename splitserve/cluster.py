@@ -133,6 +133,7 @@ class LocalCluster:
         self.processes: list[RoleProcess] = []
         self.keys: KeySet | None = None
         self._logs: list[IO[str]] = []
+        self._worker_common: list[str] = []  # every worker's args (set by start)
 
     @property
     def coordinator(self) -> RoleProcess:
@@ -195,7 +196,7 @@ class LocalCluster:
                 ],
             )
             control = coord.ready["control_address"].removeprefix("tcp://")
-            common = [
+            self._worker_common = [
                 "--model",
                 s.model,
                 "--coordinator",
@@ -213,18 +214,41 @@ class LocalCluster:
                 "--dtype",
                 s.dtype,
             ]
-            extra = {"prefill": s.prefill_args, "decode": s.decode_args, "colocated": s.decode_args}
-            pending = []
-            for role, wid in s.worker_ids():  # workers load their models in parallel
-                command = ["decode", "--mode", "colocated"] if role == "colocated" else [role]
-                args = [*command, *common, "--worker-id", wid, *worker_security[wid], *extra[role]]
-                pending.append(self._launch(role, wid, args))
+            # workers load their models in parallel
+            pending = [self._launch_worker(role, wid, worker_security[wid]) for role, wid in s.worker_ids()]
             for proc, lines in pending:
                 proc.wait_ready(lines, self.ready_timeout)
         except BaseException:
             self.stop()
             raise
         log.info("cluster ready", grpc=self.grpc_address, processes=len(self.processes))
+
+    def add_workers(self, role: str, count: int = 1) -> list[RoleProcess]:
+        """Start `count` more workers of `role` ("prefill", "decode" or "colocated") into the running
+        cluster, with the spec's args for the role; ids continue the role's numbering, and each gets
+        a fresh control key (the coordinator re-reads its allow-list) unless the control plane is
+        insecure. Returns them once ready (registered with the coordinator)."""
+        pending = []
+        for _ in range(count):
+            wid = f"{role}-{len(self.workers(role))}"
+            if self.keys is None:
+                security = ["--insecure-control-plane"]
+            else:
+                self.keys.add_worker(wid)
+                security = self.keys.worker_args(wid)
+            pending.append(self._launch_worker(role, wid, security))
+        for proc, lines in pending:
+            proc.wait_ready(lines, self.ready_timeout)
+        return [proc for proc, _ in pending]
+
+    def _launch_worker(
+        self, role: str, wid: str, security: list[str]
+    ) -> tuple[RoleProcess, queue.Queue[str | None]]:
+        command = ["decode", "--mode", "colocated"] if role == "colocated" else [role]
+        extra = self.spec.prefill_args if role == "prefill" else self.spec.decode_args
+        return self._launch(
+            role, wid, [*command, *self._worker_common, "--worker-id", wid, *security, *extra]
+        )
 
     def _spawn(self, role: str, name: str, args: list[str]) -> RoleProcess:
         proc, lines = self._launch(role, name, [role, *args])

@@ -4,7 +4,8 @@
     python -m splitserve.gpu_check --cpu-dry-run    # the same steps at toy sizes on the CPU
 
 The steps (`splitserve.gpu_steps`), each a process of its own under its own time budget, killed with
-everything it started when it runs over; a failing step does not stop the next:
+everything it started when it runs over; a failing step does not stop the next (one after another
+on the GPU, side by side in a dry run):
 
     kernels  tests/kernels on CUDA (Triton compiled for real)
     bench    python -m kernels.bench: each Triton kernel against its torch reference
@@ -27,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -195,10 +197,17 @@ def main(argv: list[str] | None = None) -> int:
     steps, outcomes = plan(names, args.cpu_dry_run, model, no_model)
     env = _env(prepared.site, args.cpu_dry_run)
     work_dir = args.work_dir or Path(tempfile.mkdtemp(prefix="splitserve-gpu-check-"))
-    for step in steps:
+
+    def run(step: Step) -> Outcome:
         print(f"gpu-check: {step.name} (budget {step.budget_s:.0f} s) ...", flush=True)
-        outcomes.append(run_step(step, args.out_dir, work_dir, env))
-        print(f"gpu-check: {step.name} {outcomes[-1].status} in {outcomes[-1].seconds:.0f} s", flush=True)
+        outcome = run_step(step, args.out_dir, work_dir, env)
+        print(f"gpu-check: {step.name} {outcome.status} in {outcome.seconds:.0f} s", flush=True)
+        return outcome
+
+    # on a GPU one step at a time (each has the device to itself); a dry run has no device to share,
+    # so its steps run side by side (a 2-core machine spends much of each step starting processes)
+    with ThreadPoolExecutor(max_workers=len(steps) if args.cpu_dry_run and steps else 1) as pool:
+        outcomes += pool.map(run, steps)
     outcomes.sort(key=lambda o: names.index(o.name))
     text = table(outcomes)
     (args.out_dir / "table.md").write_text(f"gpu-check on {device}\n\n{text}\n")

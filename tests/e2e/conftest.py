@@ -8,8 +8,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
+from grpc_status import rpc_status
 
 from coordinator.tls import ClientTls
 from splitserve.client import Client
@@ -109,6 +111,17 @@ async def wait_quiescent(client: Client, timeout: float = 30.0) -> serving_pb2.G
         if not busy or time.monotonic() > deadline:
             return state
         await asyncio.sleep(0.05)  # poll interval of a bounded wait, not a synchronization sleep
+
+
+def error_reason(err: grpc.aio.AioRpcError) -> str:
+    """The google.rpc.ErrorInfo reason of a failed call (e.g. "WORKER_LOST")."""
+    from google.rpc import error_details_pb2
+
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, f"no rich status details: {err.details()}"
+    info = error_details_pb2.ErrorInfo()
+    assert status.details[0].Unpack(info)
+    return str(info.reason)
 
 
 def assert_pools_clean(state: serving_pb2.GetPoolStateResponse) -> None:

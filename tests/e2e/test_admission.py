@@ -8,10 +8,9 @@ from typing import Any
 
 import grpc
 import pytest
-from grpc_status import rpc_status
 
 from splitserve.cluster import LocalCluster
-from tests.e2e.conftest import API_KEY, assert_pools_clean, client_for, wait_quiescent
+from tests.e2e.conftest import API_KEY, assert_pools_clean, client_for, error_reason, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-cluster")
 
@@ -61,16 +60,6 @@ BAD_INPUTS: list[tuple[str, str | None, dict[str, Any], grpc.StatusCode, str, st
 ]
 
 
-def _reason(err: grpc.aio.AioRpcError) -> str:
-    from google.rpc import error_details_pb2
-
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    assert status is not None, "no rich status details"
-    info = error_details_pb2.ErrorInfo()
-    assert status.details[0].Unpack(info)
-    return str(info.reason)
-
-
 async def _expect_rejection(
     cluster: LocalCluster,
     key: str | None,
@@ -88,7 +77,7 @@ async def _expect_rejection(
     err = caught.value
     assert err.code() == code, err.details()
     assert names in (err.details() or ""), f"message does not name {names!r}: {err.details()}"
-    assert _reason(err) == reason
+    assert error_reason(err) == reason
 
 
 async def test_bad_inputs_are_rejected_while_a_canary_streams(cluster: LocalCluster) -> None:

@@ -4,7 +4,9 @@ never told its transfer key or any session secret. Used by test_outsider.py.
     python -m tests.kvtransfer.attacker SPEC_JSON
 
 SPEC: {"backend", "layout", "target": "host:port", "claim": address to impersonate,
-       "messages": [[tag, nbytes], ...] to send under chosen tags, "byte": payload fill value}.
+       "messages": [[tag, nbytes], ...] to send under chosen tags, "byte": payload fill value,
+       "version", "nonce_bytes", "hello_max_bytes": the hello's (kvtransfer.hello's; passed in, so that
+       the attacker imports no part of kvtransfer, whose package import alone costs seconds of CPU)}.
 
 It sends the tagged messages (UCX: straight at the worker, whose tag matching spans endpoints; TCP,
 and NIXL, whose control socket runs the same hello: as TCP RTS/DATA frames, once without any hello
@@ -23,18 +25,14 @@ import struct
 import sys
 from typing import Any
 
-import numpy as np
-
-from kvtransfer.hello import NONCE_BYTES, PROTOCOL_VERSION
-
 _LEN = struct.Struct("<I")
 _HEADER = struct.Struct("<BQQ")  # kvtransfer.tcp's frame header
 _RTS, _DATA = 1, 3
 
 
 def _hello(spec: dict[str, Any]) -> bytes:
-    msg = {"version": PROTOCOL_VERSION, "address": spec["claim"], "layout": spec["layout"]}
-    return json.dumps({**msg, "nonce": secrets.token_hex(NONCE_BYTES)}).encode()
+    msg = {"version": spec["version"], "address": spec["claim"], "layout": spec["layout"]}
+    return json.dumps({**msg, "nonce": secrets.token_hex(spec["nonce_bytes"])}).encode()
 
 
 def _forged_proof() -> bytes:
@@ -91,11 +89,10 @@ def attack_tcp(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 async def attack_ucx(spec: dict[str, Any]) -> dict[str, Any]:
+    import numpy as np
     import ucxx
     from ucxx._lib.arr import Array
     from ucxx.types import Tag
-
-    from kvtransfer.ucx import _UcxHello
 
     host, port = spec["target"].rsplit(":", 1)
     endpoint = await ucxx.create_endpoint(host, int(port))
@@ -106,11 +103,22 @@ async def attack_ucx(spec: dict[str, Any]) -> dict[str, Any]:
         endpoint._ep.tag_send(Array(b), Tag(tag))
         for (tag, _), b in zip(spec["messages"], buffers, strict=True)
     ]
-    channel = _UcxHello(endpoint)
-    await channel.send(_hello(spec))
-    result: dict[str, Any] = {"challenge": json.loads(await channel.recv())}
-    await channel.send(_forged_proof())
-    result["verdict"] = json.loads(await channel.recv())
+    # the hello on the endpoint's own tags: one frame of `<len:u32>` + message, padded to the size
+    # the target receives (kvtransfer.ucx._UcxHello, spoken from the outside)
+    frame_bytes = _LEN.size + spec["hello_max_bytes"]
+
+    async def send(message: bytes) -> None:
+        await endpoint.send(bytearray(_LEN.pack(len(message)) + message).ljust(frame_bytes, b"\0"))
+
+    async def recv() -> bytes:
+        frame = bytearray(frame_bytes)
+        await endpoint.recv(frame)
+        return bytes(frame[_LEN.size : _LEN.size + _LEN.unpack_from(frame)[0]])
+
+    await send(_hello(spec))
+    result: dict[str, Any] = {"challenge": json.loads(await recv())}
+    await send(_forged_proof())
+    result["verdict"] = json.loads(await recv())
     result["sends_completed"] = sum(bool(r.completed) for r in requests)
     with contextlib.suppress(Exception):
         await endpoint.close()

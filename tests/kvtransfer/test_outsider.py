@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from kvtransfer import TcpTransport, TransportError
-from kvtransfer.hello import NONCE_BYTES, PROTOCOL_VERSION
+from kvtransfer.hello import HELLO_MAX_BYTES, NONCE_BYTES, PROTOCOL_VERSION
 from kvtransfer.plan import message_tag, plan_messages
 from kvtransfer.tcp import _LEN
 from tests.kvtransfer.conftest import LAYOUT, Pair, assert_session_bit_exact, connect_pair, send_into
@@ -44,6 +44,9 @@ async def run_attacker(backend: str, target: str, claim: str, messages: list[lis
         "claim": claim,
         "messages": messages,
         "byte": ATTACK_BYTE,
+        "version": PROTOCOL_VERSION,
+        "nonce_bytes": NONCE_BYTES,
+        "hello_max_bytes": HELLO_MAX_BYTES,
     }
     argv = [sys.executable, "-m", "tests.kvtransfer.attacker", json.dumps(spec)]
     done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, timeout=120)

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from kvtransfer import KVLayout
-from kvtransfer.bench.control import AgentClient, AgentError, SpawnedAgent, spawn_agent
-from tests.kvtransfer.conftest import agent_args, assert_session_bit_exact, connect_pair, send_into
+from kvtransfer.bench.control import AgentError, SpawnedAgent, spawn_agent
+from tests.kvtransfer.conftest import Pair, agent_args, assert_session_bit_exact, connect_pair, send_into
 
 MESSAGE_BYTES = 64 << 20  # ~10 ms per message here: a kill lands inside one
 RING_BYTES = 4 * MESSAGE_BYTES  # a kill test, not a speed test: no need to rotate beyond the LLC
@@ -19,29 +19,24 @@ ENDLESS = 1 << 20  # messages: the stream outlives the test
 WAIT_S = 60.0
 
 
-async def wait_for_stream(recv: AgentClient, messages: int) -> None:
-    """Bounded wait until the receiver has landed `messages` bench messages."""
-    deadline = time.monotonic() + WAIT_S
-    while (await recv.call("landed"))["landed"] < messages:
-        assert time.monotonic() < deadline, f"fewer than {messages} messages landed in {WAIT_S} s"
-        await asyncio.sleep(0.01)  # poll interval of a bounded wait
-
-
-@pytest.mark.parametrize("victim", ["sender", "receiver"])
-async def test_peer_killed_mid_stream_leaves_the_survivor_serving(
-    own_agents: tuple[SpawnedAgent, SpawnedAgent], backend: str, victim: str
-) -> None:
-    pair = await connect_pair(*own_agents)
+async def kill_mid_stream(pair: Pair, victim: str, tag_base: int) -> SpawnedAgent:
+    """Stream endless large messages from `pair.sender` to `pair.receiver`, SIGKILL `victim` ("sender"
+    or "receiver") once three more landed; the survivor's call fails with PeerLost and the survivor
+    lives. Returns the survivor (its clients on `pair` are closed)."""
     await asyncio.gather(
         pair.recv.call("ring", size=MESSAGE_BYTES, ring_bytes=RING_BYTES),
         pair.send.call("ring", size=MESSAGE_BYTES, seed=1, ring_bytes=RING_BYTES),
     )
-    common = {"iters": ENDLESS, "tag_base": 1 << 40, "timeout": WAIT_S}
+    landed = (await pair.recv.call("landed"))["landed"]  # over the agent's life
+    common = {"iters": ENDLESS, "tag_base": tag_base, "timeout": WAIT_S}
     receiving = asyncio.ensure_future(pair.recv.call("bench_recv", peer=pair.sender.address, **common))
     sending = asyncio.ensure_future(
         pair.send.call("bench_send", peer=pair.receiver.address, depth=2, **common)
     )
-    await wait_for_stream(pair.recv, 3)
+    deadline = time.monotonic() + WAIT_S
+    while (await pair.recv.call("landed"))["landed"] < landed + 3:
+        assert time.monotonic() < deadline, f"fewer than 3 messages landed in {WAIT_S} s"
+        await asyncio.sleep(0.01)  # poll interval of a bounded wait
 
     sender_dies = victim == "sender"
     dead, alive = (pair.sender, pair.receiver) if sender_dies else (pair.receiver, pair.sender)
@@ -53,16 +48,30 @@ async def test_peer_killed_mid_stream_leaves_the_survivor_serving(
     assert alive.process.poll() is None, "the survivor died with its peer"
     pair.recv.close()
     pair.send.close()
+    return alive
 
-    # The survivor pairs with a fresh agent in the dead one's role and moves a session exactly.
-    fresh = spawn_agent(agent_args(backend, fragment=3))
+
+async def test_peer_killed_mid_stream_leaves_the_survivor_serving(
+    own_agents: tuple[SpawnedAgent, SpawnedAgent], backend: str
+) -> None:
+    """The sender dies mid-stream: the receiver pairs with a fresh sender and moves a session
+    exactly. Then that receiver dies mid-stream: the new sender pairs with a fresh receiver and moves
+    a session exactly. (Both deaths in one chain: four agent processes instead of six.)"""
+    fresh: list[SpawnedAgent] = []
     try:
-        new_pair = await connect_pair(*((alive, fresh) if sender_dies else (fresh, alive)))
-        await assert_session_bit_exact(new_pair, "after-death")
+        receiver = await kill_mid_stream(await connect_pair(*own_agents), "sender", 1 << 40)
+        fresh.append(spawn_agent(agent_args(backend, fragment=3)))
+        pair = await connect_pair(receiver, fresh[-1])
+        await assert_session_bit_exact(pair, "after-sender-death")
+        sender = await kill_mid_stream(pair, "receiver", 2 << 40)
+        fresh.append(spawn_agent(agent_args(backend, fragment=3)))
+        new_pair = await connect_pair(fresh[-1], sender)
+        await assert_session_bit_exact(new_pair, "after-receiver-death")
         new_pair.recv.close()
         new_pair.send.close()
     finally:
-        fresh.stop()
+        for agent in fresh:
+            agent.stop()
 
 
 # 256 KiB blocks; a session of 480 blocks (120 MiB) in 16 MiB direct messages (pools unfragmented).
