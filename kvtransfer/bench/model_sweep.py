@@ -1,8 +1,9 @@
 """kvbench's `--model-shape` rows: a prompt's KV moved as the serving path moves it, per prompt length.
 
-Both agents hold a block-major cache of the shape's layout and a `BlockPool` whose free list was
-fragmented (`agent.fragment_pool`: shuffled runs of 1-6 ids, different seeds), so source and
-destination ids are as scattered as on a long-running worker. Each point is a warm-up prompt and
+Both agents hold a block-major cache of the shape's layout and a `BlockPool` churned as a
+long-running worker's (`agent.fragment_pool`, different seeds: a third of the pool held by other
+requests in shuffled runs of 1-6 ids, the free list shuffled), so source and destination ids are
+scattered and each side's runs end at different places. Each point is a warm-up prompt and
 `repeats` timed ones; the last one is verified (CRC-32 of every block, checked by the receiver's
 session). The timed part is the transfer alone: the sender's blocks are filled and the receiver's
 reserved before the clock starts.
@@ -86,7 +87,7 @@ async def model_sweep(
     max_blocks = max(-(-t // cfg.block_size) for t in cfg.tokens)
     move = _pull_once if backend == get_loops.BACKEND else _push_once
     chunk_blocks = max(1, cfg.chunk_tokens // cfg.block_size)
-    agents = await runner.start_agents(cfg, backend, layout, 2 * max_blocks)
+    agents = await runner.start_agents(cfg, backend, layout, max_blocks)
     rows = []
     try:
         for tokens in cfg.tokens:
