@@ -11,7 +11,9 @@ Free-list order (front is taken first)::
     [ never-cached free blocks ... | cached free blocks, least recently freed first ... ]
 
 so an allocation consumes blank blocks before it evicts any cached prefix, and evicts the
-least recently used prefix first.
+least recently used prefix first. Within the blank blocks an allocation prefers consecutive ids
+(each block taken brings its free blank successors along), so a sequence's blocks form long runs
+where the pool has free ranges: kvtransfer moves a run as one message or one one-sided get.
 """
 
 from __future__ import annotations
@@ -77,21 +79,35 @@ class BlockPool:
         return self.num_blocks - len(self._free)
 
     def allocate(self, n: int) -> list[int] | None:
-        """Take `n` blocks with refcount 1, evicting cached free blocks if needed; None if short."""
+        """Take `n` blocks with refcount 1, evicting cached free blocks if needed; None if short.
+
+        Consecutive ids where the pool has them (a run of consecutive ids is one contiguous byte
+        range: one message or one one-sided get in kvtransfer): each block taken from the front of
+        the free list brings its free blank successors (id + 1, id + 2, ...) along while more are
+        needed. Only blank blocks are taken out of list order, so eviction order is unchanged."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if n > len(self._free):
             return None
-        ids = []
-        for _ in range(n):
+        ids: list[int] = []
+        while len(ids) < n:
             block_id, _ = self._free.popitem(last=False)
-            block = self._blocks[block_id]
-            if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                block.block_hash, block.token_ids = None, ()
-            block.ref_count = 1
-            ids.append(block_id)
+            ids.append(self._take(block_id))
+            successor = block_id + 1
+            while len(ids) < n and successor in self._free and self._blocks[successor].block_hash is None:
+                del self._free[successor]
+                ids.append(self._take(successor))
+                successor += 1
         return ids
+
+    def _take(self, block_id: int) -> int:
+        """Give a block just removed from the free list refcount 1 (forgetting its cached hash)."""
+        block = self._blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        block.ref_count = 1
+        return block_id
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Add one reference to each block (sharing a cached prefix); revives free cached blocks."""

@@ -77,4 +77,19 @@ SHAPES: dict[str, ModelConfig] = {
             "original_max_position_embeddings": 1024,
         },
     ),
+    # the real model's shape (SmolLM2-135M, what `make setup` caches) on the tiny vocab: its KV is
+    # the real one (30 layers x 3 kv heads x 64, float32: 46 KiB a token), for kvbench --model-shape
+    "smollm2-135m": _shape(
+        "llama",
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        max_position_embeddings=8192,
+        rope_theta=100000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+    ),
 }

@@ -53,9 +53,11 @@ from kvtransfer.transport import Transport
 log = structlog.get_logger(__name__)
 
 
-def fragment_pool(pool: BlockPool, seed: int) -> None:
-    """Reorder the free list into shuffled runs of 1-6 consecutive ids, so allocations are
-    non-contiguous (some runs, some isolated blocks), as on a long-running worker."""
+def fragment_pool(pool: BlockPool, seed: int, background: int) -> list[int]:
+    """Churn the pool as a long-running worker's: cut it into runs of 1-6 consecutive ids, shuffle
+    them, hold `background` blocks of them (other requests' blocks, every third run while needed)
+    and free the rest in shuffled order. Free ranges are then short and scattered, whatever the
+    allocator prefers; returns the held ids (the agent keeps them for its life)."""
     ids = pool.allocate(pool.num_blocks)
     assert ids is not None
     rng = random.Random(seed)
@@ -65,16 +67,26 @@ def fragment_pool(pool: BlockPool, seed: int) -> None:
         runs.append(ids[i : i + n])
         i += n
     rng.shuffle(runs)
+    held: list[int] = []
+    for j, run in enumerate(runs):
+        if j % 3 == 0 and len(held) + len(run) <= background:
+            held += run
+    kept = set(held)
     for run in reversed(runs):
-        pool.free(run)
+        if run[0] not in kept:
+            pool.free(run)
+    return held
 
 
 class Agent(PullOps, GetLoops):
     """Serves control requests; each request runs as its own task (pull ops: `PullOps`; kvbench's
     one-sided loops: `GetLoops`)."""
 
-    def __init__(self, transport: Transport, pool: BlockPool, cache: torch.Tensor) -> None:
+    def __init__(
+        self, transport: Transport, pool: BlockPool, cache: torch.Tensor, background: list[int] | None = None
+    ) -> None:
         self.transport, self.pool, self.cache = transport, pool, cache
+        self.background = background or []  # held for the agent's life (fragment_pool)
         self.recv_sessions: dict[SessionKey, RecvSession | PullRecvSession] = {}
         self.send_sessions: dict[SessionKey, SendSession | PullSendSession] = {}
         self.pull_recv = {}
@@ -89,7 +101,8 @@ class Agent(PullOps, GetLoops):
             intact = True
         except AssertionError:
             intact = False
-        return {"free": self.pool.num_free_blocks, "total": self.pool.num_blocks, "intact": intact}
+        total = self.pool.num_blocks - len(self.background)  # what sessions may use
+        return {"free": self.pool.num_free_blocks, "total": total, "intact": intact}
 
     async def op_connect(self, address: str, key: str) -> dict[str, Any]:
         """Connect to the agent at `address` whose transfer key is `key` (hex, from its `info`)."""
@@ -279,12 +292,13 @@ async def serve(args: argparse.Namespace) -> None:
     nixl = NixlSettings(progress_thread=args.nixl_progress_thread, register=args.nixl_register)
     transport = create_transport(args.backend, layout, settings, nixl=nixl)
     address = await transport.start(args.advertise or args.host, args.port)
-    pool = BlockPool(args.num_blocks, layout.block_size)
-    if args.fragment is not None:
-        fragment_pool(pool, args.fragment)
-    cache = layout.new_cache(args.num_blocks, args.device)
-    fill_sentinel(cache, range(args.num_blocks))
-    agent = Agent(transport, pool, cache)
+    # --fragment: half as many blocks again, held in scattered runs, so --num-blocks stay free
+    extra = 0 if args.fragment is None else args.num_blocks // 2
+    pool = BlockPool(args.num_blocks + extra, layout.block_size)
+    background = [] if args.fragment is None else fragment_pool(pool, args.fragment, extra)
+    cache = layout.new_cache(pool.num_blocks, args.device)
+    fill_sentinel(cache, range(pool.num_blocks))
+    agent = Agent(transport, pool, cache, background)
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -331,7 +345,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=0, help="transport port (0: OS-chosen)")
     p.add_argument("--control-port", type=int, default=0, help="control port (0: OS-chosen)")
     p.add_argument("--control-endpoint", default=None, help="bind control here instead (ipc://PATH)")
-    p.add_argument("--fragment", type=int, default=None, help="shuffle the free list with this seed")
+    p.add_argument("--fragment", type=int, default=None, help="churn the pool with this seed (fragment_pool)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--progress-mode", default=UcxSettings().progress_mode)
     p.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE")

@@ -2,6 +2,7 @@
 
     kvbench run --backend ucx,tcp                       # both agents on this host (loopback)
     kvbench run --backend ucx --model-shape llama-2l --tokens 128,1k,4k,32k
+    kvbench run --backend ucx-get,ucx --model-shape smollm2-135m --raw-sizes 16MiB  # + raw rows, "vs raw"
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
     kvbench run --backend ucx,nixl,nixl-raw --busy 2      # beside raw NIXL, 2 busy loops running
@@ -24,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from kvtransfer.bench import agent, get_loops, netns, nixl_sweep, report, runner
+from kvtransfer.bench import agent, get_loops, model_sweep, netns, nixl_sweep, report, runner
 from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
 from kvtransfer.bench.busy import BusyLoops
 from kvtransfer.bench.report import parse_size, parse_tokens
@@ -65,6 +66,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run.add_argument("--model-shape", default=None, help="a name from engine.shapes.SHAPES")
     run.add_argument("--tokens", type=_csv(parse_tokens), default=[128, 1024, 4096, 32768])
     run.add_argument("--block-size", type=int, default=16)
+    run.add_argument(
+        "--chunk-tokens",
+        type=parse_tokens,
+        default=512,
+        help="--model-shape, ucx-get: tokens per pulled chunk (one KVChunkReady: a prefill step's budget)",
+    )
+    run.add_argument(
+        "--raw-sizes",
+        type=_csv(parse_size),
+        default=[],
+        help="--model-shape: also measure raw rows of these sizes in the same run; model rows get `vs raw`",
+    )
     run.add_argument("--json", type=Path, default=None, help="write rows as JSON lines")
     run.add_argument("--csv", type=Path, default=None)
     run.add_argument("--plot", type=Path, default=None, help="bandwidth vs size PNG (raw mode)")
@@ -115,7 +128,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = runner.BenchConfig(
         backends=args.backend,
-        sizes=args.sizes,
+        sizes=args.raw_sizes if args.model_shape else args.sizes,
         depths=args.depth,
         duration_s=args.duration,
         repeats=args.repeats,
@@ -125,6 +138,7 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         model_shape=args.model_shape,
         tokens=args.tokens if args.model_shape else [],
         block_size=args.block_size,
+        chunk_tokens=args.chunk_tokens,
         command=shlex.join(["kvbench", *argv]),
         agent_log=args.agent_log.open("a"),
         pin_agents=args.pin_agents,
@@ -139,8 +153,8 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [b for b in cfg.backends if b not in known]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(known)}")
-    if get_loops.BACKEND in cfg.backends and (cfg.model_shape or cfg.peer or cfg.device != "cpu"):
-        print(f"{get_loops.BACKEND}: skipped (raw mode, local, host memory only for now)", file=sys.stderr)
+    if get_loops.BACKEND in cfg.backends and (cfg.peer or cfg.device != "cpu"):
+        print(f"{get_loops.BACKEND}: skipped (local, host memory only for now)", file=sys.stderr)
         cfg.backends = [b for b in cfg.backends if b != get_loops.BACKEND]
     missing = nixl_sweep.nixl_missing()
     for backend in [b for b in cfg.backends if b.startswith("nixl")]:
@@ -148,7 +162,11 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         if backend == "nixl-raw":
             why = (
                 why
-                or ("the nixl-raw row has no --model-shape mode yet" if cfg.model_shape else None)
+                or (
+                    "the nixl-raw row has no --model-shape mode (only its --raw-sizes rows)"
+                    if cfg.model_shape and not cfg.sizes
+                    else None
+                )
                 or (
                     "the nixl-raw row keeps its rings in host memory (no --device)"
                     if cfg.device != "cpu"
@@ -180,9 +198,9 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
             memcpy[size] = memcpy_gbps(size, args.duration, args.ring_bytes, args.device)
         return memcpy[size]
 
-    if cfg.model_shape is None:
-        for size in cfg.sizes:
-            memcpy_for(size)
+    for size in cfg.sizes:
+        memcpy_for(size)
+    if memcpy:
         ring = report.format_size(args.ring_bytes or default_ring_bytes())
         kind = (
             f"device-to-device baseline (copy_ on {args.device}"
@@ -191,28 +209,32 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
         )
         print(f"{kind}, buffers rotated through {ring} per size):")
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
-        points = len(cfg.backends) * len(cfg.sizes) * len(cfg.depths)
-    else:
-        points = len(cfg.backends) * len(cfg.tokens)
-    progress = report.Progress(points)
+    shaped = [b for b in cfg.backends if b != "nixl-raw"] if cfg.model_shape else []
+    progress = report.Progress(
+        len(cfg.backends) * len(cfg.sizes) * len(cfg.depths) + len(shaped) * len(cfg.tokens)
+    )
     rows: list[report.Row] = []
     for backend in cfg.backends:
-        if backend == "nixl-raw":
+        if cfg.sizes and backend == "nixl-raw":
             rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
-        elif backend == get_loops.BACKEND:
+        elif cfg.sizes and backend == get_loops.BACKEND:
             rows += await get_loops.get_sweep(cfg, memcpy, progress)
-        elif cfg.model_shape is None:
+        elif cfg.sizes:
             rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
-        else:
-            rows += await runner.model_sweep(cfg, backend, memcpy_for, progress)
-    columns = report.COLUMNS if cfg.model_shape is None else report.MODEL_COLUMNS
-    print(report.table(rows, columns))
+        if backend in shaped:
+            rows += await model_sweep.model_sweep(cfg, backend, memcpy_for, progress)
+    model_sweep.add_raw_ratios(rows)
+    raw_rows = [r for r in rows if r["mode"] == "raw"]
+    if raw_rows:
+        print(report.table(raw_rows, report.COLUMNS))
+    if cfg.model_shape:
+        print(report.table([r for r in rows if r["mode"] == "model"], report.MODEL_COLUMNS))
     if args.json:
         report.write_json_lines(rows, args.json)
     if args.csv:
         report.write_csv(rows, args.csv)
-    if args.plot and cfg.model_shape is None:
-        report.plot(rows, memcpy, args.plot)
+    if args.plot and raw_rows:
+        report.plot(raw_rows, memcpy, args.plot)
     if cfg.busy:
         print(f"{cfg.busy} busy loop(s) ran beside the agents (column `busy`)", file=sys.stderr)
     print(f"agent logs: {args.agent_log}", file=sys.stderr)

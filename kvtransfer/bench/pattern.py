@@ -6,6 +6,7 @@ bytes to check that every block arrived bit-exact, and blocks nobody may write h
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch
@@ -18,9 +19,16 @@ def block_bytes(cache: torch.Tensor) -> torch.Tensor:
     return cache.reshape(cache.shape[0], -1).view(torch.uint8)
 
 
-def pattern(seed: int, index: int, nbytes: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + index)
+@functools.lru_cache(maxsize=4)
+def _stream(seed: int, nbytes: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1_000_003)
     return torch.randint(0, 256, (nbytes,), generator=generator, dtype=torch.uint8)
+
+
+def pattern(seed: int, index: int, nbytes: int) -> torch.Tensor:
+    """Logical block `index`'s bytes: one random stream per (seed, size), rotated by `index`, so
+    blocks differ (a misplaced block fails) and a GiB of blocks costs copies, not random draws."""
+    return torch.roll(_stream(seed, nbytes), index % nbytes)
 
 
 def fill_blocks(cache: torch.Tensor, block_ids: Iterable[int], seed: int) -> None:

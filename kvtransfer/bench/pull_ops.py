@@ -52,8 +52,10 @@ class PullOps:
         num_blocks: int,
         seed: int = 0,
         config: dict[str, Any] | None = None,
+        checksums: bool = True,
     ) -> dict[str, Any]:
-        """Allocate and fill `num_blocks` source blocks held by a PullSendSession; their ids and CRCs."""
+        """Allocate and fill `num_blocks` source blocks held by a PullSendSession; their ids and (if
+        `checksums`) CRCs."""
         ids = self.pool.allocate(num_blocks)
         if ids is None:
             raise RuntimeError(f"cannot allocate {num_blocks} blocks")
@@ -63,7 +65,7 @@ class PullOps:
             self.pool.free, SessionConfig(**(config or {})),
         )  # fmt: skip
         self.send_sessions[session.key] = session
-        return {"src_ids": ids, "checksums": session.checksums()}
+        return {"src_ids": ids, "checksums": session.checksums() if checksums else None}
 
     async def op_pull_reserve(
         self, rid: str, gen: int, n_blocks: int, peer: str, source: dict[str, Any],
@@ -86,3 +88,12 @@ class PullOps:
     async def op_pull(self, rid: str, gen: int, start: int, src_ids: list[int]) -> dict[str, Any]:
         """Post the reads of one chunk (KVChunkReady); the session (or the key, if it ended) decides."""
         return {"gets": self.pull_recv[SessionKey(rid, gen)].pull(start, src_ids)}
+
+    async def op_pull_prompt(
+        self, rid: str, gen: int, src_ids: list[int], chunk_blocks: int
+    ) -> dict[str, Any]:
+        """Post the reads of a whole prompt, one `pull` per chunk of `chunk_blocks` (as D does per
+        KVChunkReady), without waiting between chunks; the number of gets posted."""
+        session = self.pull_recv[SessionKey(rid, gen)]
+        step = max(1, chunk_blocks)
+        return {"gets": sum(session.pull(s, src_ids[s : s + step]) for s in range(0, len(src_ids), step))}

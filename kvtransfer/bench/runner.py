@@ -14,7 +14,6 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -54,6 +53,8 @@ class BenchConfig:
     model_shape: str | None = None
     tokens: list[int] = field(default_factory=list)
     block_size: int = 16
+    chunk_tokens: int = 512  # ucx-get model rows: tokens per pulled chunk (a prefill step's budget)
+    raw_sizes: list[int] = field(default_factory=list)  # model mode: raw rows measured in the same run
     command: str = ""
     agent_log: IO[str] | None = None
     pin_agents: bool = False
@@ -241,11 +242,11 @@ def raw_row(
         "reg_ms": max(0.0, warm["first_us"] - warm["p50_us"]) / 1e3,
         "verified": last_recv["checksums"] == last_send["checksums"],
         "transport": agents.transport,
-        **_inputs(cfg, backend),
+        **row_inputs(cfg, backend),
     }
 
 
-def _inputs(cfg: BenchConfig, backend: str) -> Row:
+def row_inputs(cfg: BenchConfig, backend: str) -> Row:
     return {
         "duration_s": cfg.duration_s,
         "settings": {
@@ -277,75 +278,3 @@ def model_layout(shape: str, block_size: int) -> KVLayout:
     return KVLayout(
         str(c.torch_dtype), c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, shape
     )
-
-
-async def model_sweep(
-    cfg: BenchConfig, backend: str, memcpy_for: Callable[[int], float], progress: Progress
-) -> list[Row]:
-    """Move the KV of a prompt of each length in the real block layout, through sessions."""
-    assert cfg.model_shape is not None
-    layout = model_layout(cfg.model_shape, cfg.block_size)
-    max_blocks = max(-(-t // cfg.block_size) for t in cfg.tokens)
-    agents = await start_agents(cfg, backend, layout, 2 * max_blocks)
-    rows = []
-    try:
-        for tokens in cfg.tokens:
-            n = -(-tokens // cfg.block_size)
-            times, verified, messages = [], True, 0
-            for i in range(cfg.repeats + 1):  # the first is the warm-up
-                rid, last = f"bench-{tokens}-{i}", i == cfg.repeats
-                reserved = await agents.recv.call(
-                    "reserve", rid=rid, gen=0, n_blocks=n, peer=agents.sender_address
-                )
-                messages = reserved["messages"]
-                send = {
-                    "rid": rid,
-                    "gen": 0,
-                    "peer": agents.receiver_address,
-                    "dst_ids": reserved["block_ids"],
-                    "secret": reserved["secret"],
-                }
-                await agents.send.call("send", **send, seed=i, upto=0, checksums=False)  # fill; sends nothing
-                t0 = time.perf_counter()
-                sent = await agents.send.call("send", **send, checksums=last)
-                await agents.recv.call(
-                    "mark_done", rid=rid, gen=0, first_token=1, checksums=sent["checksums"]
-                )
-                result = await agents.recv.call("wait_recv", rid=rid, gen=0)
-                elapsed = time.perf_counter() - t0
-                await agents.send.call("ack", rid=rid, gen=0)
-                verified &= bool(result["done"])
-                if i:
-                    times.append(elapsed)
-            size = n * layout.block_bytes
-            p50 = statistics.median(times)
-            gbps = size / p50 / 1e9
-            memcpy = memcpy_for(size)
-            rows.append(
-                {
-                    "mode": "model",
-                    "backend": backend,
-                    "model_shape": cfg.model_shape,
-                    "tokens": tokens,
-                    "blocks": n,
-                    "messages": messages,
-                    "size_bytes": size,
-                    "size": format_size(size),
-                    "transfer_ms": p50 * 1e3,
-                    "gbps": gbps,
-                    "gbits": gbps * 8,
-                    "memcpy_gbps": memcpy,
-                    "ratio": gbps / memcpy,
-                    "p50_us": p50 * 1e6,
-                    "p99_us": max(times) * 1e6,
-                    "connect_ms": agents.connect_ms,
-                    "verified": verified,
-                    "transport": agents.transport,
-                    "repeats": cfg.repeats,
-                    **_inputs(cfg, backend),
-                }
-            )
-            progress.step(f"{backend} {cfg.model_shape} {tokens} tokens")
-    finally:
-        await agents.close()
-    return rows

@@ -153,3 +153,18 @@ def test_randomized_allocate_free_share_keeps_integrity(seed: int) -> None:
         pool.free(owner)
     pool.check_integrity()
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_allocation_brings_free_successors_along_so_ids_are_consecutive() -> None:
+    """A churned free list still yields runs where blank blocks are adjacent (one contiguous range
+    per run for kvtransfer); a cached block is never taken out of LRU order; a held one ends a run."""
+    pool = BlockPool(16, 1)
+    assert pool.allocate(16) == list(range(16))
+    pool.free([10, 3, 11, 2, 12])  # the free list: 10, 3, 11, 2, 12 (FIFO would hand them out so)
+    assert pool.allocate(4) == [10, 11, 12, 3]  # 10 brings 11 and 12; 13 is held
+    _cached(pool, [5])
+    pool.free([5])  # cached: at the LRU end
+    pool.free([4])  # the free list: 4, 2 | cached 5
+    assert pool.allocate(2) == [4, 2]  # 4's successor 5 is cached: left for last
+    assert pool.num_cached_blocks == 1
+    pool.check_integrity()

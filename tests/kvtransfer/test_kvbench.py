@@ -60,13 +60,30 @@ def test_raw_sweep_writes_json_csv_and_plot(tmp_path: Path, capsys: pytest.Captu
     assert printed.index("memcpy baseline") < printed.index("GB/s")
 
 
-def test_model_shape_mode_moves_a_prompts_kv(tmp_path: Path) -> None:
+def test_model_shape_mode_moves_a_prompts_kv_pushed_and_pulled(tmp_path: Path) -> None:
+    """Push (tcp) and one-sided pull (ucx-get, two chunks per 1k prompt) through real sessions into
+    fragmented blocks, verified; the raw row of the same run gives each model row its `vs raw`."""
     out = tmp_path / "rows.jsonl"
-    argv = ["run", "--backend", "tcp", "--model-shape", "llama-2l", "--tokens", "100,1k", "--repeats", "1"]
-    assert cli.main([*argv, "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]) == 0
+    argv = ["run", "--backend", "tcp,ucx-get", "--model-shape", "llama-2l", "--tokens", "100,1k"]
+    argv += ["--repeats", "1", "--chunk-tokens", "512", "--raw-sizes", "256KiB", "--duration", "0.05"]
+    argv += ["--ring-bytes", TEST_RING, "--json", str(out), "--agent-log", str(tmp_path / "agents.log")]
+    assert cli.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["tokens"], r["blocks"]) for r in rows] == [(100, 7), (1024, 64)]
-    assert all(r["verified"] and r["transfer_ms"] > 0 for r in rows)
+    assert [(r["mode"], r["backend"], r.get("tokens")) for r in rows] == [
+        ("raw", "tcp", None),
+        ("model", "tcp", 100),
+        ("model", "tcp", 1024),
+        ("raw", "ucx-get", None),
+        ("model", "ucx-get", 100),
+        ("model", "ucx-get", 1024),
+    ]
+    model = [r for r in rows if r["mode"] == "model"]
+    assert [(r["tokens"], r["blocks"]) for r in model] == [(100, 7), (1024, 64)] * 2
+    assert all(r["verified"] and r["transfer_ms"] > 0 and r["raw_size"] == "256KiB" for r in model)
+    assert all(r["raw_ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"]) for r in model)
+    pulled = model[3]
+    # fragmented on both sides: more than one get per chunk, fewer than one per block (coalesced)
+    assert 2 < pulled["messages"] < pulled["blocks"] and pulled["chunk_tokens"] == 512
 
 
 def test_pinned_agent_runs_on_the_core_it_was_given(tmp_path: Path) -> None:
