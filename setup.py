@@ -8,6 +8,10 @@ image built on one machine serves any x86-64 machine. torch must already be inst
 SPLITSERVE_CPU_KERNEL_ISAS=host (what `make setup` sets) builds only this machine's variant, a comma
 list (AVX512,AVX2,DEFAULT) picks variants, SPLITSERVE_BUILD_CPU_KERNELS=0 skips the build (the
 kernels then compile on first use, or the torch references run).
+
+Always, with or without torch: `kvtransfer._rma_wake`, the plain C library of the RMA gets'
+completion callback (kvtransfer/csrc/rma_wake.c, loaded with ctypes by kvtransfer.rma_wake; no
+Python module inside).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import platform
 import sys
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 
 _spec = importlib.util.spec_from_file_location(
     "cpu_build", Path(__file__).parent / "kernels" / "cpu_build.py"
@@ -66,5 +70,9 @@ def _extensions() -> tuple[list[object], dict[str, object]]:
     return exts, {"build_ext": BuildExtension}
 
 
+RMA_WAKE = Extension(
+    "kvtransfer._rma_wake", sources=["kvtransfer/csrc/rma_wake.c"], extra_compile_args=["-O2"]
+)
+
 _ext_modules, _cmdclass = _extensions()
-setup(ext_modules=_ext_modules, cmdclass=_cmdclass)
+setup(ext_modules=[RMA_WAKE, *_ext_modules], cmdclass=_cmdclass)

@@ -414,6 +414,9 @@ class UcxTransport(Transport):
             if not peer.lost:
                 await peer.close()
         self._peers.clear()
+        if self._rma is not None:  # after the endpoints: their close fails the gets still in flight
+            await self._rma.close()
+            self._rma = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -10,11 +10,13 @@ worker (`ucp_context_h` / `ucp_worker_h` handles of `ucxx.core._get_ctx()`) and 
 - `RemoteKey`: a peer's packed key unpacked on one endpoint (`ucp_ep_rkey_unpack`); the reader owns
   it and `close()`s it (`ucp_rkey_destroy`) before that endpoint is closed.
 - `Rma.get(ep, runs)`: posts one `ucp_get_nbx` per run at once and returns a future that completes
-  once every get finished. Completion never polls: each pending get carries a C callback that UCP
-  calls from whichever thread progresses the worker (UCXX's progress thread, asleep in epoll until
-  UCX has work, or the event loop in UCXX's polling modes), and the last one wakes the asyncio
-  waiter with `call_soon_threadsafe`. That needs a worker in UCS_THREAD_MODE_MULTI (gets are posted
-  from the event loop thread while the progress thread progresses); `Rma` checks it at creation.
+  once every get finished. Completion never polls and takes no GIL off the loop: each pending get
+  carries the C callback of kvtransfer.rma_wake, which UCP calls from whichever thread progresses
+  the worker (UCXX's progress thread, or the event loop in UCXX's polling modes); the batch's last
+  one queues it and writes an eventfd the loop watches. A get that returns a request moves its
+  bytes in a later progress, so `get` signals the worker (`ucp_worker_signal`) to wake UCXX's
+  progress thread out of epoll at once. Gets are posted from the loop thread while the progress
+  thread progresses: that needs a worker in UCS_THREAD_MODE_MULTI, which `Rma` checks at creation.
 
 Cancelling an RMA get is not something UCP offers: a caller that gives up must still await the
 future before the destination memory is reused (kvtransfer.pull does).
@@ -24,16 +26,18 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import itertools
 import os
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
 from kvtransfer.errors import TransportError
+from kvtransfer.rma_wake import CBatch, CWake, native
+
+log = structlog.get_logger(__name__)
 
 UCP_VERSION = (1, 21)  # the struct layouts below are UCX 1.21's (include/ucp/api/ucp.h)
 _ERR_LAST = -100  # UCS_ERR_LAST: status pointers in (-100, 0) are errors
@@ -41,8 +45,6 @@ _THREAD_MODE_MULTI = 2
 _MEM_MAP_FIELDS = 0b1011  # ADDRESS | LENGTH | PROT
 _PROT_LOCAL_RW_REMOTE_READ = (1 << 0) | (1 << 1) | (1 << 8)
 _OP_ATTR_CALLBACK, _OP_ATTR_USER_DATA, _OP_ATTR_MEMH = 1 << 1, 1 << 2, 1 << 8
-
-_SendCallback = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p)
 
 
 class _MemMapParams(ctypes.Structure):
@@ -62,7 +64,7 @@ class _RequestParam(ctypes.Structure):
         ("op_attr_mask", ctypes.c_uint32),
         ("flags", ctypes.c_uint32),
         ("request", ctypes.c_void_p),
-        ("cb", _SendCallback),
+        ("cb", ctypes.c_void_p),  # ucp_send_nbx_callback_t: rma_wake_complete
         ("datatype", ctypes.c_uint64),
         ("user_data", ctypes.c_void_p),
         ("reply_buffer", ctypes.c_void_p),
@@ -110,6 +112,7 @@ class _Ucp:
         self.rkey_destroy = _bind(lib, "ucp_rkey_destroy", None, vp)
         self.get_nbx = _bind(lib, "ucp_get_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, vp)
         self.request_free = _bind(lib, "ucp_request_free", None, vp)
+        self.worker_signal = _bind(lib, "ucp_worker_signal", st, vp)
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
@@ -180,45 +183,51 @@ class GetRun:
 
 
 class _Batch:
-    """Gets of one `Rma.get` call: the last completion (from any thread) resolves the future."""
+    """Gets of one `Rma.get` call. `c` is their UCP user_data; the Rma holds this object (so `c`'s
+    memory) until the C callback of the last get queued it and the loop drained it."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, count: int) -> None:
-        self.loop, self.future = loop, loop.create_future()
-        self.pending, self.error = count + 1, 0  # +1: held by the posting thread until all posted
-        self.lock = threading.Lock()
+    __slots__ = ("c", "future")
 
-    def finish(self, status: int) -> None:
-        with self.lock:
-            self.error = self.error or status
-            self.pending -= 1
-            if self.pending:
-                return
-        self.loop.call_soon_threadsafe(self._resolve)
+    def __init__(self, wake: int, count: int, future: asyncio.Future[None]) -> None:
+        self.c = CBatch(None, wake, count + 1, 0)  # +1: held by the posting thread until all posted
+        self.future = future
 
-    def _resolve(self) -> None:
-        if self.future.done():
+    def resolve(self) -> None:
+        if self.future.done():  # the caller cancelled its wait; the gets still had to finish
             return
-        if self.error:
-            self.future.set_exception(RmaError(f"ucp_get_nbx: {_lib().status_string(self.error).decode()}"))
+        if self.c.status:
+            self.future.set_exception(
+                RmaError(f"ucp_get_nbx: {_lib().status_string(self.c.status).decode()}")
+            )
         else:
             self.future.set_result(None)
 
 
 class Rma:
     """RMA on UCXX's context and worker; one per process, created on the event loop after
-    `ucxx.init` (kvtransfer.ucx.UcxTransport.rma)."""
+    `ucxx.init` (kvtransfer.ucx.UcxTransport.rma), closed (`await close()`) by the transport after
+    its endpoints: that fails what is still in flight, and close waits for those completions."""
 
-    def __init__(self, context: int, worker: int, memh: int | None = None) -> None:
+    def __init__(self, context: int, worker: int) -> None:
         ucp = _lib()
         attr = _WorkerAttr(field_mask=1)
         ucp.check(ucp.worker_query(worker, ctypes.byref(attr)), "ucp_worker_query")
         if attr.thread_mode != _THREAD_MODE_MULTI:
             raise RmaError(f"the UCX worker is in thread mode {attr.thread_mode}, RMA needs MULTI")
         self.context, self.worker = context, worker
+        self._native = native()
         self._loop = asyncio.get_running_loop()
-        self._batches: dict[int, _Batch] = {}
-        self._ids = itertools.count(1)
-        self._callback = _SendCallback(self._on_complete)  # kept alive: UCP holds the pointer
+        self._efd: int | None = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        request_free = ctypes.cast(ucp.request_free, ctypes.c_void_p).value
+        self._wake = CWake(None, request_free, self._efd, 0)
+        self._batches: dict[int, _Batch] = {}  # by the address of their C struct
+        self._drained = asyncio.Event()
+        self._loop.add_reader(self._efd, self._drain)
+
+    @property
+    def pending(self) -> int:
+        """Batches whose gets have not all completed."""
+        return len(self._batches)
 
     def register(self, tensor: torch.Tensor) -> MemRegion:
         """Map `tensor` (contiguous, host memory) for remote reads; the caller closes the region."""
@@ -226,38 +235,67 @@ class Rma:
             raise ValueError("an RMA region must be contiguous")
         return MemRegion(self.context, tensor)
 
-    def _on_complete(self, request: int, status: int, user_data: int) -> None:
-        # Called by UCP inside worker progress, on the progressing thread (GIL taken by ctypes).
-        _lib().request_free(request)
-        batch = self._batches.get(user_data)
-        if batch is not None:
-            batch.finish(status)
+    def _drain(self) -> None:
+        """The eventfd's reader: resolve every batch the C callback finished."""
+        head = self._native.drain(ctypes.byref(self._wake))
+        while head:
+            batch = self._batches.pop(head)
+            head = batch.c.next
+            batch.resolve()
+        if not self._batches:
+            self._drained.set()
 
     def get(
         self, rkey: RemoteKey, runs: Sequence[GetRun], local: MemRegion | None = None
     ) -> asyncio.Future[None]:
         """Post every run's get on `rkey`'s endpoint now; the future completes when all finished
-        (RmaError if any failed). Await it before reusing the destination memory, even on abort.
-        `local`, when given, is the registered region the destinations lie in (saves UCP a lookup)."""
+        (RmaError if any failed). Await it before reusing the destination memory, even on abort
+        (cancelling the future does not stop the gets). `local`, when given, is the registered
+        region the destinations lie in (saves UCP a lookup)."""
         ucp = _lib()
         if rkey.handle is None:
             raise RmaError("get on a destroyed remote key")
-        batch_id = next(self._ids)
-        batch = self._batches[batch_id] = _Batch(self._loop, len(runs))
-        batch.future.add_done_callback(lambda _: self._batches.pop(batch_id, None))
+        if self._efd is None:
+            raise RmaError("get on a closed Rma")
+        batch = _Batch(ctypes.addressof(self._wake), len(runs), self._loop.create_future())
+        address = ctypes.addressof(batch.c)
+        self._batches[address] = batch
+        self._drained.clear()
         mask = _OP_ATTR_CALLBACK | _OP_ATTR_USER_DATA
         if local is not None and local.memh is not None:
             mask |= _OP_ATTR_MEMH
         param = _RequestParam(
-            op_attr_mask=mask, cb=self._callback, user_data=batch_id, memh=local.memh if local else None
+            op_attr_mask=mask, cb=self._native.complete, user_data=address, memh=local.memh if local else None
         )
+        released, error = 1, 0  # the poster's hold, plus gets done or failed inside ucp_get_nbx
         for run in runs:
             ptr = ucp.get_nbx(
                 rkey.ep, run.local_addr, run.nbytes, run.remote_addr, rkey.handle, ctypes.byref(param)
             )
             status = ctypes.c_int64(ptr or 0).value
             if status == 0 or _ERR_LAST < status < 0:
-                batch.finish(int(status))  # completed at once, or failed at once
-            # else: a request; `_on_complete` finishes it
-        batch.finish(0)
+                released, error = released + 1, error or int(status)
+            # else: a request; UCP calls rma_wake_complete for it
+        if self._native.release(ctypes.byref(batch.c), released, error):
+            del self._batches[address]
+            if not self._batches:
+                self._drained.set()
+            batch.resolve()
+        elif (status := ucp.worker_signal(self.worker)) != 0:
+            # A get that returned a request moves its bytes in a later ucp_worker_progress: the
+            # signal wakes UCXX's progress thread from epoll now, not at its timeout. Without it
+            # the gets still complete (at the timeout), so a failure is logged, not raised.
+            log.warning("ucp_worker_signal failed", status=ucp.status_string(status).decode())
         return batch.future
+
+    async def close(self) -> None:
+        """Wait until every posted get completed (close the endpoints first, so that none can be
+        left waiting on a peer), then stop watching and close the eventfd. Idempotent."""
+        if self._efd is None:
+            return
+        if self._batches:
+            await self._drained.wait()
+        efd, self._efd = self._efd, None
+        self._loop.remove_reader(efd)
+        self._native.quiesce(ctypes.byref(self._wake))
+        os.close(efd)
