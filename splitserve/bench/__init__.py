@@ -182,16 +182,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _workload(args: argparse.Namespace) -> list[Item]:
+def _workloads(args: argparse.Namespace) -> list[list[Item]]:
+    """The probes' workload, then one per rate. A `--dataset` is the same rows every time (its
+    repeats may hit the prefix cache); a synthetic workload is drawn afresh for each, from
+    `--seed` + its index, so every variant still gets the same requests at each rate."""
+    count = 1 + len(args.rates)
     if args.dataset:
-        return from_jsonl(args.dataset, args.num_requests, args.output_len)
+        return [from_jsonl(args.dataset, args.num_requests, args.output_len)] * count
     from engine.loader import load_tokenizer
     from engine.model_dir import resolve_model_dir
 
     vocab = len(load_tokenizer(resolve_model_dir(args.model)))
     if args.mix:
-        return mixed(args.mix, args.num_requests, vocab, args.seed)
-    return jittered(args.num_requests, args.input_len, args.output_len, args.len_jitter, vocab, args.seed)
+        return [mixed(args.mix, args.num_requests, vocab, args.seed + i) for i in range(count)]
+    return [
+        jittered(args.num_requests, args.input_len, args.output_len, args.len_jitter, vocab, args.seed + i)
+        for i in range(count)
+    ]
 
 
 def _usage_error(args: argparse.Namespace) -> str:
@@ -223,8 +230,10 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.bench.report import render
     from splitserve.launch import say
 
+    probe_items, *rate_items = _workloads(args)
     plan = StudyPlan(
-        items=_workload(args),
+        items=probe_items,
+        rate_items=rate_items,
         rates=args.rates,
         seed=args.seed,
         slo=Latency(args.slo_ttft_ms, args.slo_tpot_ms),

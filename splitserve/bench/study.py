@@ -107,9 +107,15 @@ def cpu_seconds(pids: list[int]) -> float:
 @dataclass(slots=True)
 class StudyPlan:
     """What to run: the workload, the rates, the SLO (absolute per kind, or `slo_scale` x the first
-    variant's unloaded latencies) and the scales of the attainment-vs-scale curve."""
+    variant's unloaded latencies) and the scales of the attainment-vs-scale curve.
+
+    `items` feeds the warm-up and the unloaded probes; `rate_items[i]` is what rate `i` sends, the
+    same for every variant. Synthetic workloads draw each from its own seed, so no rate finds its
+    prompts in the prefix cache that an earlier rate or the probes filled (a 1,024-token document
+    sent twice costs its prefill once)."""
 
     items: list[Item]
+    rate_items: list[list[Item]]
     rates: list[float]
     seed: int
     slo: Latency
@@ -190,12 +196,12 @@ def _sweep(
     if ref is None:
         ref = Reference(base, scaled(base, plan.slo_scale) if plan.slo_scale else {k: plan.slo for k in base})
         study["slo"].update(reference=v.name, by_kind={k: dataclasses.asdict(x) for k, x in ref.slos.items()})
-    for rate in plan.rates:
-        bar = ProgressBar(f"{v.name} @ {rate:g} req/s", len(plan.items))
-        offsets = arrivals(len(plan.items), rate, plan.seed + 1)
+    for rate, items in zip(plan.rates, plan.rate_items, strict=True):
+        bar = ProgressBar(f"{v.name} @ {rate:g} req/s", len(items))
+        offsets = arrivals(len(items), rate, plan.seed + 1)
         cpu0 = cpu_seconds(served.pids)
         traces, duration = asyncio.run(
-            run_load(address, plan.items, offsets, timeout=plan.request_timeout, on_done=bar.advance)
+            run_load(address, items, offsets, timeout=plan.request_timeout, on_done=bar.advance)
         )
         cpu = cpu_seconds(served.pids) - cpu0
         bar.close()

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from splitserve import bench
 from splitserve.bench.load import RequestTrace
 from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
 from splitserve.bench.study import BUDGET_FLAG, CAP_FLAG, Variant, variant_spec, variants
@@ -176,3 +179,29 @@ def test_cluster_cpu_seconds_are_read_from_proc() -> None:
     before = cpu_seconds([os.getpid()])
     sum(i * i for i in range(2_000_000))  # burn some CPU in this process
     assert cpu_seconds([os.getpid()]) > before
+
+
+def test_each_rate_draws_its_own_prompts_the_same_for_every_variant(
+    tiny_model_dir: Callable[[], Path],
+) -> None:
+    # The same prompts at every rate would meet the prefix cache from the second rate on (a
+    # 1,024-token document's prefill paid once): each rate, and the probes, get a fresh draw.
+    args = build_parser("bench").parse_args(
+        [
+            "bench",
+            "--model",
+            str(tiny_model_dir()),
+            "--mix",
+            "docs-chats",
+            "--num-requests",
+            "8",
+            "--rates",
+            "0.5,1",
+        ]
+    )
+    draws = bench._workloads(args)
+    assert len(draws) == 3  # the probes', then one per rate
+    assert [sorted(it.kind for it in d) for d in draws] == [sorted(it.kind for it in draws[0])] * 3
+    first_tokens = {tuple(it.prompt[:16]) for d in draws for it in d}
+    assert len(first_tokens) == 3 * 8  # no prompt prefix repeats across draws
+    assert [it.prompt for it in bench._workloads(args)[2]] == [it.prompt for it in draws[2]]
