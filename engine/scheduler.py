@@ -7,8 +7,9 @@ the KV pool allow. Running decodes (one token each) take the budget before runni
 (each group oldest first), so a long prompt is prefilled in chunks that fit beside the decodes
 (Sarathi-Serve's stall-free batching): a decode never waits for a prompt, and a step computes at most
 the budget. With `prefill_tokens_while_decoding` a step that carries decodes schedules at most that
-many prompt tokens, so a prefill beside running requests stretches their step by a bounded amount. When the pool is short, the newest running sequence not yet scheduled this step is
-preempted: its blocks are freed and it returns to the front of the queue to be re-prefilled.
+many prompt tokens, so a prefill beside running requests stretches their step by a bounded amount.
+When the pool is short, the newest running sequence not yet scheduled this step is preempted: its
+blocks are freed and it returns to the front of the queue to be re-prefilled.
 
 A sequence whose KV another worker computes takes a third way in: `reserve` (all or nothing) holds
 blocks for it, `join` puts it in the running list once the KV has landed, with its first token as

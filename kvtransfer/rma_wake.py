@@ -14,12 +14,14 @@ builds it on first use with the system C compiler, or fails saying what to run.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import subprocess
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import structlog
 
@@ -30,6 +32,13 @@ log = structlog.get_logger(__name__)
 SOURCE = Path(__file__).parent / "csrc" / "rma_wake.c"
 LIBRARY = Path(__file__).parent / f"_rma_wake{sysconfig.get_config_var('EXT_SUFFIX')}"
 BUILD_HINT = "run `python setup.py build_ext --inplace` in the checkout (or reinstall the package)"
+
+
+def bind(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
+    """`lib`'s function `name` with its ctypes signature set."""
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = restype, list(argtypes)
+    return fn
 
 
 class CWake(ctypes.Structure):
@@ -61,12 +70,9 @@ class NativeWake:
         lib = ctypes.CDLL(str(path))
         vp = ctypes.c_void_p
         self.complete: int = ctypes.cast(lib.rma_wake_complete, vp).value or 0
-        self.release = lib.rma_batch_release
-        self.release.restype, self.release.argtypes = ctypes.c_int32, [vp, ctypes.c_int64, ctypes.c_int32]
-        self.drain = lib.rma_wake_drain
-        self.drain.restype, self.drain.argtypes = vp, [vp]
-        self.quiesce = lib.rma_wake_quiesce
-        self.quiesce.restype, self.quiesce.argtypes = None, [vp]
+        self.release = bind(lib, "rma_batch_release", ctypes.c_int32, vp, ctypes.c_int64, ctypes.c_int32)
+        self.drain = bind(lib, "rma_wake_drain", vp, vp)
+        self.quiesce = bind(lib, "rma_wake_quiesce", None, vp)
 
 
 def build(target: Path = LIBRARY) -> None:
@@ -83,15 +89,10 @@ def build(target: Path = LIBRARY) -> None:
         os.replace(out, target)
 
 
-_native: NativeWake | None = None
-
-
+@functools.cache
 def native() -> NativeWake:
-    """The loaded library, built first if this checkout lacks it."""
-    global _native
-    if _native is None:
-        if not LIBRARY.exists():
-            log.warning("building the RMA completion library", library=str(LIBRARY), hint=BUILD_HINT)
-            build()
-        _native = NativeWake(LIBRARY)
-    return _native
+    """The loaded library (once per process), built first if this checkout lacks it."""
+    if not LIBRARY.exists():
+        log.warning("building the RMA completion library", library=str(LIBRARY), hint=BUILD_HINT)
+        build()
+    return NativeWake(LIBRARY)

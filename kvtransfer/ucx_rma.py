@@ -26,16 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 import torch
 
 from kvtransfer.errors import TransportError
-from kvtransfer.rma_wake import CBatch, CWake, native
+from kvtransfer.rma_wake import CBatch, CWake, bind, native
 
 log = structlog.get_logger(__name__)
 
@@ -82,12 +82,6 @@ class RmaError(TransportError):
     """A UCP RMA call failed (the status name says why)."""
 
 
-def _bind(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
-    fn = getattr(lib, name)
-    fn.restype, fn.argtypes = restype, list(argtypes)
-    return fn
-
-
 class _Ucp:
     """The libucp functions used here, loaded once per process."""
 
@@ -97,36 +91,31 @@ class _Ucp:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
         vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
         major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
-        _bind(lib, "ucp_get_version", None, vp, vp, vp)(
+        bind(lib, "ucp_get_version", None, vp, vp, vp)(
             ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release)
         )
         if (major.value, minor.value) != UCP_VERSION:
             raise RmaError(f"libucp {major.value}.{minor.value}: RMA structs are laid out for {UCP_VERSION}")
-        self.status_string = _bind(lib, "ucs_status_string", ctypes.c_char_p, st)
-        self.worker_query = _bind(lib, "ucp_worker_query", st, vp, vp)
-        self.mem_map = _bind(lib, "ucp_mem_map", st, vp, vp, vp)
-        self.mem_unmap = _bind(lib, "ucp_mem_unmap", st, vp, vp)
-        self.rkey_pack = _bind(lib, "ucp_rkey_pack", st, vp, vp, vp, vp)
-        self.rkey_buffer_release = _bind(lib, "ucp_rkey_buffer_release", None, vp)
-        self.ep_rkey_unpack = _bind(lib, "ucp_ep_rkey_unpack", st, vp, vp, vp)
-        self.rkey_destroy = _bind(lib, "ucp_rkey_destroy", None, vp)
-        self.get_nbx = _bind(lib, "ucp_get_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, vp)
-        self.request_free = _bind(lib, "ucp_request_free", None, vp)
-        self.worker_signal = _bind(lib, "ucp_worker_signal", st, vp)
+        self.status_string = bind(lib, "ucs_status_string", ctypes.c_char_p, st)
+        self.worker_query = bind(lib, "ucp_worker_query", st, vp, vp)
+        self.mem_map = bind(lib, "ucp_mem_map", st, vp, vp, vp)
+        self.mem_unmap = bind(lib, "ucp_mem_unmap", st, vp, vp)
+        self.rkey_pack = bind(lib, "ucp_rkey_pack", st, vp, vp, vp, vp)
+        self.rkey_buffer_release = bind(lib, "ucp_rkey_buffer_release", None, vp)
+        self.ep_rkey_unpack = bind(lib, "ucp_ep_rkey_unpack", st, vp, vp, vp)
+        self.rkey_destroy = bind(lib, "ucp_rkey_destroy", None, vp)
+        self.get_nbx = bind(lib, "ucp_get_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, vp)
+        self.request_free = bind(lib, "ucp_request_free", None, vp)
+        self.worker_signal = bind(lib, "ucp_worker_signal", st, vp)
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
             raise RmaError(f"{what}: {self.status_string(status).decode()}")
 
 
-_ucp: _Ucp | None = None
-
-
+@functools.cache
 def _lib() -> _Ucp:
-    global _ucp
-    if _ucp is None:
-        _ucp = _Ucp()
-    return _ucp
+    return _Ucp()
 
 
 class MemRegion:
@@ -239,11 +228,15 @@ class Rma:
         """The eventfd's reader: resolve every batch the C callback finished."""
         head = self._native.drain(ctypes.byref(self._wake))
         while head:
-            batch = self._batches.pop(head)
-            head = batch.c.next
-            batch.resolve()
+            address, head = head, self._batches[head].c.next
+            self._finish(address)
+
+    def _finish(self, address: int) -> None:
+        """Forget the finished batch whose C struct is at `address` and resolve its future."""
+        batch = self._batches.pop(address)
         if not self._batches:
             self._drained.set()
+        batch.resolve()
 
     def get(
         self, rkey: RemoteKey, runs: Sequence[GetRun], local: MemRegion | None = None
@@ -277,10 +270,7 @@ class Rma:
                 released, error = released + 1, error or int(status)
             # else: a request; UCP calls rma_wake_complete for it
         if self._native.release(ctypes.byref(batch.c), released, error):
-            del self._batches[address]
-            if not self._batches:
-                self._drained.set()
-            batch.resolve()
+            self._finish(address)
         elif (status := ucp.worker_signal(self.worker)) != 0:
             # A get that returned a request moves its bytes in a later ucp_worker_progress: the
             # signal wakes UCXX's progress thread from epoll now, not at its timeout. Without it

@@ -100,9 +100,8 @@ class ClusterSpec:
     port: int = 0
     http_port: int = 0
     transfer_backend: str = "tcp"
-    dtype: str = field_defaults(EngineConfig)[
-        "dtype"
-    ]  # every worker's weights and KV (engine.config.DTYPES): one dtype per cluster
+    # every worker's weights and KV (engine.config.DTYPES): one dtype per cluster
+    dtype: str = field_defaults(EngineConfig)["dtype"]
     coordinator_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
