@@ -12,10 +12,11 @@ Query head ``i`` attends with kv head ``i // (Hq // Hkv)`` (GQA). New token ``j`
 sequence b sits at position ``seq_lens[b] - q_len_b + j`` and sees keys ``0..`` that
 position (causal). Softmax and accumulation run in float32; the output has q's dtype.
 
-On the CPU, float32 decode runs the C++ kernel of ``kernels.cpu_ext`` (blocks read in
-place, online softmax); everything else there runs the torch references, which are the CPU
-forward path, not only test oracles: they gather the block tables into padded K/V and call
-one ``scaled_dot_product_attention`` per layer.
+On the CPU, decode over float32 or bfloat16 caches runs the C++ kernel of ``kernels.cpu_ext``
+(blocks read in place, online softmax in float32), also for the decode rows of a mixed batch;
+everything else there runs the torch references, which are the CPU forward path, not only test
+oracles: they gather the block tables into padded K/V and call one
+``scaled_dot_product_attention`` per layer.
 They read the unused tail of each sequence's last block (masked out), so the cache must
 hold finite values there: allocate it with ``torch.zeros``, never ``torch.empty`` (a NaN
 would survive the mask as 0 * NaN). The Triton kernels never read those slots.
@@ -23,10 +24,17 @@ would survive the mask as 0 * NaN). The Triton kernels never read those slots.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import cpu_kernels, use_triton
+from kernels.dispatch import ATTENTION_DTYPES, cpu_kernels, use_triton
+
+# (q, k_cache, v_cache, block_tables, seq_lens, scale) -> out: one query token per sequence
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
 
 
 def paged_decode_attention(
@@ -43,7 +51,8 @@ def paged_decode_attention(
 
         cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1)
-    if (cpp := cpu_kernels(q)) is not None and k_cache.dtype == torch.float32 and q.shape[-1] % 8 == 0:
+    cpp = cpu_kernels(q, ATTENTION_DTYPES)
+    if cpp is not None and k_cache.dtype == v_cache.dtype == q.dtype and q.shape[-1] % 8 == 0:
         return cpp.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
@@ -66,7 +75,9 @@ def paged_prefill_attention(
     if q.shape[0] == 0 or seq_lens.numel() == 0:
         return torch.empty_like(q)
     if not use_triton(q):
-        return paged_prefill_attention_ref(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        # decode rows through the decode kernel (C++ where it serves), the prompt chunks padded
+        args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+        return paged_prefill_attention_ref(*args, decode=paged_decode_attention)
     from kernels.attention_triton import paged_attention_triton
 
     if max_query_len is None:
@@ -135,22 +146,24 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    decode: DecodeAttention = paged_decode_attention_ref,
 ) -> torch.Tensor:
     """Torch reference of ``paged_prefill_attention``.
 
-    Sequences with one new token take the decode path; the others are padded to
-    their longest query, so decode tokens in a mixed batch cost no padding.
+    Sequences with one new token take ``decode`` (the decode reference; the CPU forward path
+    passes the dispatching ``paged_decode_attention``); the others are padded to their longest
+    query, so decode tokens in a mixed batch cost no padding.
     """
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     single = q_lens == 1
     if bool(single.all()):
-        return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if not bool(single.any()):
         return _padded_prefill_ref(q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale)
     single_token = torch.repeat_interleave(single, q_lens)
     multi = ~single
     out = torch.empty_like(q)
-    out[single_token] = paged_decode_attention_ref(
+    out[single_token] = decode(
         q[single_token], k_cache, v_cache, block_tables[single], seq_lens[single], scale
     )
     out[~single_token] = _padded_prefill_ref(

@@ -1,10 +1,11 @@
 """Chooses between a Triton kernel, a C++ CPU kernel and the torch reference.
 
-CUDA tensors go to Triton; float32 CPU tensors go to the C++ kernel where one exists and
-``kernels.cpu_ext`` could build it; everything else to the torch reference. ``forced``
+CUDA tensors go to Triton; float32 CPU tensors (and bfloat16 ones, for decode attention) go to the
+C++ kernel where one exists and ``kernels.cpu_ext`` could build it; everything else to the torch
+reference. ``forced``
 overrides that for tests and benchmarks: ``forced("triton")`` sends CPU tensors
 to Triton (which then needs ``TRITON_INTERPRET=1``), ``forced("torch")`` runs the
-reference everywhere, ``forced("cpp")`` the C++ kernels on float32 CPU tensors and the
+reference everywhere, ``forced("cpp")`` the C++ kernels on the CPU tensors they take and the
 reference for the rest. ``SPLITSERVE_FORCE_TRITON=1`` in the environment (read at
 import) starts the process forced to Triton.
 """
@@ -42,9 +43,15 @@ def forced(backend: Backend) -> Iterator[None]:
         FORCED = previous
 
 
-def cpu_kernels(t: torch.Tensor) -> ModuleType | None:
-    """The C++ CPU kernels (``kernels.cpu_ext``) when the operation on ``t`` should run them."""
-    if FORCED not in (None, "cpp") or t.device.type != "cpu" or t.dtype != torch.float32:
+FLOAT32: tuple[torch.dtype, ...] = (torch.float32,)
+# the C++ decode attention reads bfloat16 caches too (float32 math): a bfloat16 model's decode steps
+ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+
+def cpu_kernels(t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT32) -> ModuleType | None:
+    """The C++ CPU kernels (``kernels.cpu_ext``) when the operation on ``t`` should run them: a CPU
+    tensor of one of ``dtypes`` (the kernel's), nothing forcing another backend."""
+    if FORCED not in (None, "cpp") or t.device.type != "cpu" or t.dtype not in dtypes:
         return None
     return cpu_ext.load()
 

@@ -1,6 +1,6 @@
-// The float32 CPU twins of two Triton kernels, with the semantics of their torch references:
-// paged decode attention (one new token per sequence, KV blocks read in place through the block
-// table: no gather into a padded copy) and the KV slot write. setup.py builds this file (and
+// The CPU twins of two Triton kernels, with the semantics of their torch references: paged decode
+// attention (one new token per sequence, KV blocks read in place through the block table: no gather
+// into a padded copy; float32 or bfloat16 caches, float32 math) and the KV slot write (float32). setup.py builds this file (and
 // kernels/cpu_ext.py as a fallback) with -DSPLITSERVE_SOURCE_DIGEST=d<sha256 of the sources>, which the
 // module exports so that a library older than the source is never loaded.
 #include <torch/extension.h>
@@ -24,6 +24,19 @@ inline v8 load8(const float* p) {
 }
 
 inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
+
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// eight bfloat16 widened to float32 (exact: a bfloat16 is the top half of a float32)
+inline v8 load8(const at::BFloat16* p) {
+  u16x8 h;
+  __builtin_memcpy(&h, p, sizeof(h));
+  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
+  v8 v;
+  __builtin_memcpy(&v, &w, sizeof(v));
+  return v;
+}
 
 inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
@@ -53,15 +66,17 @@ inline v8 exp8(v8 x) {
   return p * pow2;
 }
 
-// <a, b> over n floats, n a multiple of 8
-inline float dot(const float* a, const float* b, int64_t n) {
+// <a, b> over n values, n a multiple of 8
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   v8 acc = {};
   for (int64_t d = 0; d < n; d += 8) acc += load8(a + d) * load8(b + d);
   return hsum8(acc);
 }
 
 // out[i] = <q, k + i * stride> for i < 4: each chunk of q is loaded once for four rows
-inline void dots4(const float* q, const float* k, int64_t stride, int64_t n, float* out) {
+template <typename T>
+inline void dots4(const float* q, const T* k, int64_t stride, int64_t n, float* out) {
   v8 a0 = {}, a1 = {}, a2 = {}, a3 = {};
   for (int64_t d = 0; d < n; d += 8) {
     const v8 qd = load8(q + d);
@@ -94,7 +109,8 @@ inline v8 oct_sums(v8 a, v8 b) {
 }
 
 // lane i = <q, k + i * stride> for i < 8, n a multiple of 8: each chunk of q is loaded once
-inline v8 dots8(const float* q, const float* k, int64_t stride, int64_t n) {
+template <typename T>
+inline v8 dots8(const float* q, const T* k, int64_t stride, int64_t n) {
   v8 a[8] = {};
   for (int64_t d = 0; d < n; d += 8) {
     const v8 qd = load8(q + d);
@@ -106,8 +122,8 @@ inline v8 dots8(const float* q, const float* k, int64_t stride, int64_t n) {
 
 // acc[g] = acc[g] * rescale[g] + sum_t s[g][t] * v[t] for the G query heads of one kv head: each
 // chunk of a value row is loaded once for all G
-template <int G>
-inline void accumulate_values(const float* s, int64_t s_stride, const float* rescale, const float* v,
+template <int G, typename T>
+inline void accumulate_values(const float* s, int64_t s_stride, const float* rescale, const T* v,
                               int64_t v_row, int64_t n, int64_t head_dim, float* acc) {
   for (int64_t d = 0; d < head_dim; d += 8) {
     v8 c[G];
@@ -135,13 +151,15 @@ inline float max_of(const float* x, int64_t n) {
   return m;
 }
 
-// Prefetch slice `part` of `parts` of the n floats at p (whole 64-byte lines) into L2, not L1: a
+// Prefetch slice `part` of `parts` of the n values at p (whole 64-byte lines) into L2, not L1: a
 // K/V block is 2 x 8 KiB at the benchmark shape, and fetching the next ones into a 32 KiB L1 evicts
 // the block being read (2x slower, measured).
-inline void prefetch_slice(const float* p, int64_t n, int64_t part, int64_t parts) {
-  const int64_t lines = (n + 15) / 16;
+template <typename T>
+inline void prefetch_slice(const T* p, int64_t n, int64_t part, int64_t parts) {
+  const char* bytes = reinterpret_cast<const char*>(p);
+  const int64_t lines = (n * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i)
-    __builtin_prefetch(p + i * 16, /*rw=*/0, /*locality=*/2);
+    __builtin_prefetch(bytes + i * 64, /*rw=*/0, /*locality=*/2);
 }
 
 constexpr size_t kPrefetchAhead = 2;  // blocks: ~1 us of work each, a DRAM latency is ~0.1 us
@@ -151,35 +169,31 @@ constexpr size_t kPrefetchAhead = 2;  // blocks: ~1 us of work each, a DRAM late
 // [T, H, D] with each token's heads one dense run (any stride between tokens)
 static inline bool dense_heads(const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); }
 
-// one layer's float32 K and V cache views, [num_blocks, block_size, Hkv, D] with dense rows
-static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const char* name) {
-  TORCH_CHECK(k_cache.scalar_type() == torch::kFloat && v_cache.scalar_type() == torch::kFloat, name,
-              " (cpu): float32 caches only");
+// one layer's K and V cache views of `dtype`, [num_blocks, block_size, Hkv, D] with dense rows
+static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_cache, torch::ScalarType dtype,
+                         const char* name) {
+  TORCH_CHECK(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype, name, " (cpu): ",
+              c10::toString(dtype), " caches only");
   TORCH_CHECK(k_cache.stride(3) == 1 && k_cache.stride(2) == k_cache.size(3) && v_cache.stride(3) == 1 &&
                   v_cache.stride(2) == v_cache.size(3),
               name, " (cpu): each cache row [Hkv, D] must be dense");
 }
 
-// q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] views whose last two dims are
-// dense; block_tables [B, W] int32; seq_lens [B] int32 (keys per sequence, the new one included).
-torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.scalar_type() == torch::kFloat, "paged_decode_attention (cpu): float32 only");
-  check_caches(k_cache, v_cache, "paged_decode_attention");
-  TORCH_CHECK(q.size(2) % 8 == 0, "paged_decode_attention (cpu): head_dim must be a multiple of 8");
-  if (!dense_heads(q)) q = q.contiguous();  // any token stride is fine
-  block_tables = block_tables.to(torch::kInt).contiguous();
-  seq_lens = seq_lens.to(torch::kInt).contiguous();
-  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+// T: the element type of q, the caches and the output (float or at::BFloat16); scores, softmax and
+// the accumulators are float32 either way, as in the torch reference.
+template <typename T>
+static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                             torch::Tensor& out) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), q_token = q.stride(0);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, width = block_tables.size(1);
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k_cache.data_ptr<T>();
+  const T* vp = v_cache.data_ptr<T>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  float* op = out.data_ptr<float>();
+  T* op = out.data_ptr<T>();
   const int64_t k_block = k_cache.stride(0), k_row = k_cache.stride(1);
   const int64_t v_block = v_cache.stride(0), v_row = v_cache.stride(1);
   const float sc = static_cast<float>(scale);
@@ -211,7 +225,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
     size_t visit = 0;
     for (int64_t b = first_seq; b < end_seq; ++b) {
       const int64_t len = lens[b];
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = qp[b * q_token + i] * sc;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = static_cast<float>(qp[b * q_token + i]) * sc;
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(denom.begin(), denom.end(), 0.f);
@@ -224,7 +238,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
             prefetch_slice(vp + next * v_block, block_size * v_row, hq, num_heads);
           }
           const int64_t h = hq / group;
-          const float* kb = kp + block * k_block + h * head_dim;
+          const T* kb = kp + block * k_block + h * head_dim;
           const float* qh = qs.data() + hq * head_dim;
           float* s = scores.data() + hq * padded;
           int64_t t = 0;
@@ -240,7 +254,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           denom[hq] = denom[hq] * rescale[hq] + std::accumulate(s, s + n, 0.f);
         }
         for (int64_t hq = 0; hq < num_heads; hq += heads_per_pass) {
-          const float* vb = vp + block * v_block + (hq / group) * head_dim;
+          const T* vb = vp + block * v_block + (hq / group) * head_dim;
           const float* s = scores.data() + hq * padded;
           float* a = acc.data() + hq * head_dim;
           const float* r = &rescale[hq];
@@ -249,11 +263,32 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
           else accumulate_values<1>(s, padded, r, vb, v_row, n, head_dim, a);
         }
       }
-      float* ob = op + b * num_heads * head_dim;
+      T* ob = op + b * num_heads * head_dim;
       for (int64_t hq = 0; hq < num_heads; ++hq)
-        for (int64_t d = 0; d < head_dim; ++d) ob[hq * head_dim + d] = acc[hq * head_dim + d] / denom[hq];
+        for (int64_t d = 0; d < head_dim; ++d)
+          ob[hq * head_dim + d] = static_cast<T>(acc[hq * head_dim + d] / denom[hq]);
     }
   });
+}
+
+// q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] views whose last two dims are
+// dense, of q's dtype (float32 or bfloat16); block_tables [B, W] int32; seq_lens [B] int32 (keys
+// per sequence, the new one included). Returns [B, Hq, D] of q's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
+              "paged_decode_attention (cpu): float32 or bfloat16 only");
+  check_caches(k_cache, v_cache, dtype, "paged_decode_attention");
+  TORCH_CHECK(q.size(2) % 8 == 0, "paged_decode_attention (cpu): head_dim must be a multiple of 8");
+  if (!dense_heads(q)) q = q.contiguous();  // any token stride is fine
+  block_tables = block_tables.to(torch::kInt).contiguous();
+  seq_lens = seq_lens.to(torch::kInt).contiguous();
+  auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (dtype == torch::kFloat)
+    decode_attention<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  else
+    decode_attention<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   return out;
 }
 
@@ -263,7 +298,7 @@ void write_kv_slots(torch::Tensor key, torch::Tensor value, torch::Tensor k_cach
                     torch::Tensor slot_mapping) {
   TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat,
               "write_kv_slots (cpu): float32 only");
-  check_caches(k_cache, v_cache, "write_kv_slots");
+  check_caches(k_cache, v_cache, torch::kFloat, "write_kv_slots");
   // tokens may sit at any stride (views into the fused qkv output); each token's [Hkv, D] is dense
   if (!dense_heads(key)) key = key.contiguous();
   if (!dense_heads(value)) value = value.contiguous();
@@ -404,6 +439,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, float32, CPU");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32, CPU");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, float32, CPU");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32, CPU");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32 or bfloat16, CPU");
   m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32, CPU");
 }

@@ -19,6 +19,7 @@ DECODE = [(7, 1), (33, 1), (1, 1), (20, 1)]
 MIXED = [(23, 23), (40, 9), (17, 1), (6, 6)]
 PREFILL_ONLY = [(23, 23), (40, 9), (6, 6)]
 F32_TOL = 1e-5
+BF16_TOL = 2**-8  # one bfloat16 rounding of the output, relative to its largest value
 Case = tuple[int, int, int, int]
 
 
@@ -99,6 +100,28 @@ def test_decode_cpp_matches_reference(case: Case) -> None:
     out = paged_decode_attention(q_view, paged.k_cache, paged.v_cache, *tables, scale)
     expected = paged_decode_attention_ref(q, *paged.finite_caches(), *tables, scale)
     assert rel_error(out, expected) < F32_TOL
+
+
+@pytest.mark.usefixtures("force_cpp")
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], (16, 3, 3, 64)])
+def test_bfloat16_cpp_matches_float32_reference(case: Case) -> None:
+    # a bfloat16 model's decode steps (16, 3, 3, 64: SmolLM2's heads), alone and as the decode rows
+    # of a mixed batch beside a prompt chunk: float32 math, so one bfloat16 rounding of the output
+    block_size, num_kv_heads, group, head_dim = case
+    seqs = [*DECODE, (300, 1), (70, 21)]
+    paged = make_paged([n for n, _ in seqs], block_size, num_kv_heads, head_dim, torch.bfloat16, seed=17)
+    q = torch.randn(len(seqs) + 20, num_kv_heads * group, head_dim).to(torch.bfloat16)
+    cu, scale = cu_seqlens([m for _, m in seqs]), head_dim**-0.5
+    tables = (paged.block_tables, paged.seq_lens)
+    k32, v32 = paged.k_cache.float(), paged.v_cache.float()
+    decode_rows = slice(0, len(seqs) - 1)
+    decode_tables = (paged.block_tables[decode_rows], paged.seq_lens[decode_rows])
+    out = paged_decode_attention(q[decode_rows], paged.k_cache, paged.v_cache, *decode_tables, scale)
+    expected = paged_decode_attention_ref(q[decode_rows].float(), k32, v32, *decode_tables, scale)
+    assert out.dtype == torch.bfloat16 and rel_error(out, expected) < BF16_TOL
+    mixed = paged_prefill_attention(q, paged.k_cache, paged.v_cache, tables[0], cu, tables[1], scale)
+    expected = paged_prefill_attention_ref(q.float(), k32, v32, tables[0], cu, tables[1], scale)
+    assert mixed.dtype == torch.bfloat16 and rel_error(mixed, expected) < BF16_TOL
 
 
 @pytest.mark.usefixtures("backend")
