@@ -11,9 +11,12 @@ Prefill worker: the READY one with the lowest *estimated TTFT*
     compute(n, per_step) = n x cost_per_token + ceil(n / per_step) x step_base
 
 where cost_per_token and step_base are the worker's measured step cost (engine/worker/step_cost.py:
-time ~ base + tokens x cost; the pool's mean cost until it has one, no base term until it reports
-its budget and base) and uncached_tokens is the sequence minus the longest prefix whose chained
-block hashes the worker reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
+time ~ base + tokens x cost; no base term until it reports its budget and base). A worker whose
+steps have not yet given a slope (step base 0: its report is the average per token) borrows the
+mean fitted cost of the workers that have one: a decode worker that has only decoded reports a
+whole step over its few decode tokens (45 ms / 6 = 7,500 us a token, measured), several times what a
+prompt token costs it; with no fit anywhere, its own average, then the pool's, then a default.
+uncached_tokens is the sequence minus the longest prefix whose chained block hashes the worker reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
 the queue costs more than the recompute (seed 001, "the cache hit that loses"). A colocated worker is
 its own decode worker.
 
@@ -178,8 +181,16 @@ class Router:
         self.policy = policy or RoutingPolicy()
 
     def cost_us_per_token(self, worker: WorkerInfo) -> float:
-        if worker.load.prefill_us_per_token > 0:
-            return worker.load.prefill_us_per_token
+        """The marginal cost of a prompt token on `worker` (module doc: whose fit it borrows)."""
+        own = worker.load.prefill_us_per_token
+        if own > 0 and worker.load.step_base_ms > 0:
+            return own
+        fitted = [w.load.prefill_us_per_token for w in self.registry if w.load.step_base_ms > 0]
+        fitted = [c for c in fitted if c > 0]
+        if fitted:
+            return sum(fitted) / len(fitted)
+        if own > 0:
+            return own
         measured = [w.load.prefill_us_per_token for w in self.registry if w.load.prefill_us_per_token > 0]
         return sum(measured) / len(measured) if measured else DEFAULT_PREFILL_US_PER_TOKEN
 

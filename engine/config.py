@@ -29,6 +29,11 @@ class EngineConfig:
     running decode, so a prompt prefilled beside decodes (a decode worker's local prefill) adds at
     most that many tokens of compute to their inter-token latency; a step with no decode uses the
     whole budget.
+    `long_prefill_token_threshold` (0: off; vLLM's flag of that name, with its default of one long
+    partial prefill) caps the chunk any one prompt takes of a step and lets one prompt with more
+    tokens left than that run at a time (the oldest), so the rest of the budget admits shorter
+    prompts that arrived behind it: a 64-token prompt then waits one step, not the whole 1,024-token
+    prompt ahead of it, and long prompts still finish one after another rather than all late.
 
     Role policy (set by the role that builds the engine, never changed after construction):
     `prefill_only` finishes a sequence after its first sample (its `finish_reason` is its stop reason,
@@ -42,6 +47,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 256 << 20
     max_num_batched_tokens: int = 512
     prefill_tokens_while_decoding: int = 0
+    long_prefill_token_threshold: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -58,10 +64,9 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.prefill_tokens_while_decoding < 0:
-            raise ValueError(
-                f"prefill_tokens_while_decoding must be >= 0 (0: off), got {self.prefill_tokens_while_decoding}"
-            )
+        for name in ("prefill_tokens_while_decoding", "long_prefill_token_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

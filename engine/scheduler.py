@@ -106,6 +106,10 @@ class Scheduler:
         decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         cap = self.config.prefill_tokens_while_decoding
         prefill = prefill_budget(budget, cap, decodes)  # prompt tokens left this step
+        chunk = self.config.long_prefill_token_threshold or budget  # one prompt's share of a step
+        # under the threshold, one long prompt (more than `chunk` tokens left) at a time, oldest
+        # first: long prompts finish in turn instead of sharing steps, short ones pass beside them
+        long_busy = False
         # decodes first, then prompt chunks (each oldest first): a prefill only gets the budget the
         # running decodes leave (and, beside decodes, at most prefill_tokens_while_decoding), so it
         # never delays their next token by more than that
@@ -116,7 +120,11 @@ class Scheduler:
                 continue  # preempted below for an earlier sequence's slots
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n > 1:  # a prompt chunk
-                n = min(n, prefill)
+                if self._long(seq):
+                    if long_busy:
+                        continue
+                    long_busy = True
+                n = min(n, prefill, chunk)
                 if n <= 0:
                     break  # prompt chunks come last: the prefill budget is spent
                 prefill -= n
@@ -131,21 +139,21 @@ class Scheduler:
                 scheduled.append(ScheduledSequence(seq, n))
                 taken.add(seq)
                 budget -= n
-        while (
-            self.waiting
-            and min(budget, prefill) > 0
-            and len(self.running) < self.config.max_num_seqs
-            and not preempted
-        ):
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if min(budget, prefill) <= 0 or len(self.running) >= self.config.max_num_seqs or preempted:
+                break
+            if self._long(seq):
+                if long_busy:
+                    continue  # a shorter prompt behind it may still start
+                long_busy = True
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill, chunk)
             if not self.kv.allocate_slots(seq, n):
                 self._reset(seq)
                 break
             prefill -= n
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             scheduled.append(ScheduledSequence(seq, n))
@@ -189,6 +197,11 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def _long(self, seq: Sequence) -> bool:
+        """More prompt tokens left than `long_prefill_token_threshold` (never while it is 0)."""
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < seq.num_tokens - seq.num_computed_tokens
 
     def _reset(self, seq: Sequence) -> None:
         self.kv.free(seq)

@@ -27,6 +27,13 @@ def _checked(parse: Callable[[str], object]) -> Callable[[str], object]:
     return convert
 
 
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise ValueError(f"{n} is negative (0: off)")
+    return n
+
+
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by `serve` and `demo` (their defaults are `ClusterSpec`'s)."""
     spec = field_defaults(ClusterSpec)
@@ -37,6 +44,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--transfer-backend", choices=TRANSFER_BACKENDS, default=spec["transfer_backend"])
     parser.add_argument(
         "--dtype", choices=DTYPES, default=spec["dtype"], help="every worker's weights and KV dtype"
+    )
+    parser.add_argument(
+        "--long-prefill-token-threshold",
+        type=_checked(_non_negative),
+        default=0,
+        help="every worker's cap on the tokens one prompt takes of a step, so prompts behind a long "
+        "one start next step (0: off)",
     )
     parser.add_argument("--host", default=spec["host"])
     parser.add_argument(
@@ -79,6 +93,8 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
     configure_logging(level="warning")  # the launcher's own logs until `started` opens its log file
     # fetch/convert/build the model once, before the workers race for it
     model = str(resolve_model_dir(args.model, say=say))
+    threshold = args.long_prefill_token_threshold
+    worker_args = ["--long-prefill-token-threshold", str(threshold)] if threshold else []
     return ClusterSpec(
         model=model,
         prefill_workers=args.prefill_workers,
@@ -93,6 +109,8 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         insecure_control_plane=bool(args.insecure_control_plane),
         cpus=dict(args.pin),
         threads=dict(args.threads),
+        prefill_args=list(worker_args),
+        decode_args=list(worker_args),
     )
 
 

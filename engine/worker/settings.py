@@ -168,6 +168,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         help="prompt tokens a step may carry beside running decodes (decode worker's local prefill: "
         "bounds their inter-token latency; 0: the step budget)",
     )
+    a(
+        "--long-prefill-token-threshold",
+        type=int,
+        default=e["long_prefill_token_threshold"],
+        help="tokens one prompt may take of a step (0: the step budget): prompts behind a long one "
+        "start in the next step",
+    )
     a("--max-num-seqs", type=int, default=e["max_num_seqs"], help="sequences in one step at most")
     a("--max-model-len", type=int, default=e["max_model_len"], help="context limit (default: the model's)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -237,6 +244,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,

@@ -270,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         "router_tpot_slo_ms": None if args.target else router_tpot,
         "router_tpot_guard": args.router_tpot_guard,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
+        "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "dtype": None if args.target else args.dtype,
         "transfer_backend": None if args.target else args.transfer_backend,
     }

@@ -113,3 +113,23 @@ def test_register_refusals_name_the_field(pool: Pool) -> None:
     assert (pool.registry.refusal("p", reg) or "").startswith("model 'other'")
     reg.model, reg.context_length = pool.model.name, 16
     assert (pool.registry.refusal("p", reg) or "").startswith("context_length 16")
+
+
+def test_a_worker_without_a_fitted_slope_borrows_the_pools_fit(pool: Pool) -> None:
+    """A decode worker that has only decoded reports a whole step over its few tokens (base 0: no
+    slope yet): the router costs its prompt tokens at the fitted workers' mean instead; once it has a
+    fit of its own, that."""
+    pool.add("p1", "prefill")
+    pool.add("p2", "prefill")
+    pool.add("d", "decode")
+    pool.report("p1", us_per_token=1000.0, step_base_ms=30.0)
+    pool.report("p2", us_per_token=1400.0, step_base_ms=20.0)
+    pool.report("d", us_per_token=7500.0)  # 45 ms over 6 decode tokens
+    cost = pool.router.cost_us_per_token
+    assert cost(pool.registry.get("d")) == pytest.approx(1200.0)  # type: ignore[arg-type]
+    assert cost(pool.registry.get("p1")) == pytest.approx(1000.0)  # type: ignore[arg-type]
+    pool.report("d", us_per_token=1100.0, step_base_ms=40.0)
+    assert cost(pool.registry.get("d")) == pytest.approx(1100.0)  # type: ignore[arg-type]
+    for w in ("p1", "p2", "d"):  # nobody fitted: each its own average
+        pool.report(w, us_per_token=500.0)
+    assert cost(pool.registry.get("d")) == pytest.approx(500.0)  # type: ignore[arg-type]

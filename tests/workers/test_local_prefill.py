@@ -87,6 +87,65 @@ def test_a_prefill_beside_decodes_stays_within_prefill_tokens_while_decoding(loa
     assert capped == uncapped
 
 
+def test_a_short_prompt_behind_a_long_one_starts_next_step_under_the_threshold(loaded: LoadedModel) -> None:
+    """With `long_prefill_token_threshold` 16 of a 64-token budget, the 200-token prompt takes 16
+    tokens a step and the 10-token prompt that arrives behind it is prefilled in the very next step;
+    without it, the long prompt fills two more steps first. Outputs are the same either way."""
+
+    def run(threshold: int) -> tuple[dict[str, list[int]], int, list[int]]:
+        config = EngineConfig(
+            block_size=4, num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=threshold
+        )
+        engine = LLMEngine(loaded, config)
+        rng = random.Random(5)
+        long = engine.add_request("long", random_prompt(rng, 200), GREEDY)
+        engine.step()
+        short = engine.add_request("short", random_prompt(rng, 10), GREEDY)
+        steps, first_token_step, chunks = 0, 0, []
+        while engine.has_unfinished():
+            out = engine.schedule()
+            chunks += [i.num_new_tokens for i in out.scheduled if i.num_new_tokens > 1]
+            engine.finish_step(out, engine.execute(out))
+            steps += 1
+            first_token_step = first_token_step or (steps if short.num_output_tokens else 0)
+        engine.pool.check_integrity()
+        return {s.request_id: s.output_token_ids for s in (long, short)}, first_token_step, chunks
+
+    capped, capped_wait, capped_chunks = run(16)
+    assert capped_wait == 1 and max(capped_chunks) == 16
+    free, free_wait, _ = run(0)
+    assert free_wait == 3  # 136 tokens of the long prompt left: two full steps, then its last 8 beside it
+    assert capped == free
+
+
+def test_long_prompts_under_the_threshold_prefill_one_at_a_time(loaded: LoadedModel) -> None:
+    """Two 100-token prompts and a 10-token one behind them, threshold 16 of a 64-token budget: no
+    step carries chunks of two prompts with more than 16 tokens left, so the second long prompt
+    starts only with the first one's last chunk, while the short one starts at once."""
+    config = EngineConfig(
+        block_size=4, num_blocks=128, max_num_batched_tokens=64, long_prefill_token_threshold=16
+    )
+    engine = LLMEngine(loaded, config)
+    rng = random.Random(7)
+    first, second = (engine.add_request(f"long{i}", random_prompt(rng, 100), GREEDY) for i in range(2))
+    short = engine.add_request("short", random_prompt(rng, 10), GREEDY)
+    first_token_step: dict[str, int] = {}
+    step = 0
+    while engine.has_unfinished():
+        out = engine.schedule()
+        long_chunks = [i for i in out.scheduled if i.seq.num_tokens - i.seq.num_computed_tokens > 16]
+        assert len(long_chunks) <= 1, [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled]
+        engine.finish_step(out, engine.execute(out))
+        step += 1
+        for seq in (first, second, short):
+            if seq.num_output_tokens and seq.request_id not in first_token_step:
+                first_token_step[seq.request_id] = step
+    engine.pool.check_integrity()
+    assert first_token_step["short"] == 1
+    assert first_token_step["long0"] == 7  # ceil(100 / 16) chunks
+    assert first_token_step["long1"] == 7 + 6  # its first chunk rode with long0's last (4 tokens)
+
+
 async def test_three_paths_give_the_same_greedy_output(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
