@@ -66,10 +66,25 @@ async def test_a_valid_key_of_the_wrong_role_is_refused(start_cluster: StartClus
     assert ack.accepted
 
 
+async def until_unroutable(cluster: Cluster, worker_id: str, timeout: float = 10.0) -> None:
+    """Wait (bounded) until the coordinator's ROUTER has dropped `worker_id`'s connection. Until then
+    ZMQ refuses a new connection under the same routing id (no ROUTER_HANDOVER: a live worker's id
+    cannot be taken over) and that peer's first frames are lost, which a loaded box made this test's
+    wait for the thief's RegisterAck hit."""
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                await cluster.app.socket.send(control_pb2.Envelope(), to=worker_id)
+            except ControlQueueFull:
+                return
+            await asyncio.sleep(0.01)  # a probe's interval, not a synchronization
+
+
 async def test_a_key_cannot_speak_for_another_worker_id(start_cluster: StartCluster) -> None:
     cluster = await start_cluster()
     p, _ = await cluster.ready_pair()
     p.close()  # p0 goes away; a peer holding another valid key takes its routing id
+    await until_unroutable(cluster, "p0")
     cluster.keys.add_worker("thief", role="prefill")
     thief = cluster.worker("p0", "prefill", keys=cluster.keys.worker_keys("thief"))
     before = dropped(cluster, "unauthenticated")
