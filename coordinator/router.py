@@ -14,7 +14,7 @@ where cost_per_token and step_base are the worker's measured step cost (engine/w
 time ~ base + tokens x cost; no base term until it reports its budget and base). A worker whose
 steps have not yet given a slope (step base 0: its report is the average per token) borrows the
 mean fitted cost of the workers that have one: a decode worker that has only decoded reports a
-whole step over its few decode tokens (45 ms / 6 = 7,500 us a token, measured), several times what a
+whole step over its few decode tokens (a 45 ms step over 6 of them: 7,500 us a token), several times what a
 prompt token costs it; with no fit anywhere, its own average, then the pool's, then a default.
 uncached_tokens is the sequence minus the longest prefix whose chained block hashes the worker reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
 the queue costs more than the recompute (seed 001, "the cache hit that loses"). A colocated worker is
