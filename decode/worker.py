@@ -135,7 +135,7 @@ class DecodeWorker(WorkerRole):
         if not self.is_current(r):
             return  # aborted while connecting
         secret = r.transfer_secret = new_session_secret()  # goes out in Reserved only
-        r.pull = self.plane.pull
+        r.pull = self.plane.pulls_over(peer)
         if not r.pull:
             r.release_session = self.plane.hold(ids)
             key = session_key(r.rid, r.generation)

@@ -38,3 +38,13 @@ def transport_label(transports: str) -> str:
     names = sorted({f"{tl}-lo" if tl == "tcp" and dev == "lo" else tl for tl, dev, _ in bulk})
     names = [n for n in names if _NAME.fullmatch(n.replace("-", "_"))][:MAX_NAMES]
     return f"ucx:{'+'.join(names)}" if names else "ucx:unknown"
+
+
+def gets_over_tcp(transports: str) -> bool:
+    """Whether a UCX peer's bulk lanes are all TCP (no RDMA, shared memory or CMA): UCX then
+    carries a one-sided get as a request and a reply over its sockets, slower than its two-sided
+    rendezvous there (docs/kvtransfer.md, "Across hosts"), so a decode worker in
+    `--kv-transfer-mode auto` has such a peer push."""
+    label = transport_label(transports)
+    names = label.removeprefix("ucx:").split("+")
+    return label.startswith("ucx:") and all(name in ("tcp", "tcp-lo") for name in names)

@@ -85,7 +85,8 @@ class WorkerSettings:
         """Whether this decode worker reads the KV itself. `auto` pulls over UCX: pushing keeps D's
         receives posted (and its event loop polling UCX) through P's whole prefill, which cost D's
         decode steps 1.6x their time in the serving benchmark (docs/kvtransfer.md, "One-sided pull");
-        TCP and NIXL push with their own protocols."""
+        TCP and NIXL push with their own protocols. Per peer, `auto` still pushes where UCX's lanes
+        are all TCP (`TransferPlane.pulls_over`)."""
         if self.role != "decode":
             return False  # a prefill worker follows each Reserved.pull; a colocated one moves no KV
         return self.kv_transfer_mode == "pull" or (
