@@ -32,6 +32,15 @@ def start_cluster(spec: ClusterSpec, tmp: Path) -> LocalCluster:
     return cluster
 
 
+def running_cluster(spec: ClusterSpec, tmp: Path) -> Iterator[LocalCluster]:
+    """A cluster fixture's body (`yield from` it): `start_cluster`, the cluster, then stop it and
+    assert that every process exited 0."""
+    cluster = start_cluster(spec, tmp)
+    yield cluster
+    codes = cluster.stop()
+    assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
+
+
 @pytest.fixture(scope="session")
 def model_dir(tiny_model_dir: Callable[[str], Path]) -> Path:
     return tiny_model_dir("llama-2l")
@@ -59,10 +68,7 @@ def cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         prefill_args=["--max-num-batched-tokens", "96", "--block-size", "4"],
         decode_args=["--block-size", "4"],
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp("cluster"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
+    yield from running_cluster(spec, tmp_path_factory.mktemp("cluster"))
 
 
 def client_tls(cluster: LocalCluster) -> ClientTls | None:

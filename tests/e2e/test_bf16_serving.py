@@ -17,7 +17,7 @@ from engine.llm import LLM
 from engine.sampling_params import SamplingParams
 from splitserve.cluster import ClusterSpec, LocalCluster
 from splitserve.v1 import serving_pb2
-from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-bf16")
 BUDGET = 64  # every prompt below fits one step everywhere: the same chunking served and offline
@@ -39,10 +39,7 @@ def bf16_cluster(
         prefill_args=worker,
         decode_args=worker,
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp(f"bf16-{request.param}"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from running_cluster(spec, tmp_path_factory.mktemp(f"bf16-{request.param}"))
 
 
 async def test_bf16_served_greedy_equals_the_offline_engine(

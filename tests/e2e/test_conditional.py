@@ -17,7 +17,7 @@ import pytest
 from splitserve.client import Client, Completion
 from splitserve.cluster import ClusterSpec, LocalCluster
 from splitserve.v1 import serving_pb2
-from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-conditional")
 LOCAL_MAX = 48  # --local-prefill-max-tokens
@@ -37,10 +37,7 @@ def conditional_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactor
         prefill_args=["--block-size", "4", "--max-num-batched-tokens", "8"],
         decode_args=["--block-size", "4", "--max-num-batched-tokens", "32"],
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp("conditional"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from running_cluster(spec, tmp_path_factory.mktemp("conditional"))
 
 
 async def _until(client: Client, cond: Callable[[serving_pb2.GetPoolStateResponse], bool]) -> None:

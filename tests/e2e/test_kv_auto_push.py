@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.cluster import ClusterSpec, LocalCluster
-from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
 from tests.e2e.test_kv_transport_label import transfer_bytes
 
 pytestmark = pytest.mark.xdist_group("e2e-cluster")
@@ -27,10 +27,7 @@ def tcp_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         decode_args=["--block-size", "4"],
         prefill_args=["--block-size", "4"],
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp("tcp-cluster"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
+    yield from running_cluster(spec, tmp_path_factory.mktemp("tcp-cluster"))
 
 
 async def test_auto_pushes_over_tcp_only_lanes(

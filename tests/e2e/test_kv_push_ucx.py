@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.cluster import ClusterSpec, LocalCluster
-from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-push-ucx")
 
@@ -29,10 +29,7 @@ def push_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         prefill_args=["--block-size", "4", "--max-num-batched-tokens", "16"],
         decode_args=["--block-size", "4", "--kv-transfer-mode", "push"],
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp("push-ucx"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), f"unclean shutdown: {codes}"
+    yield from running_cluster(spec, tmp_path_factory.mktemp("push-ucx"))
 
 
 async def test_pushed_kv_over_ucx_gives_transformers_greedy_and_clean_pools(

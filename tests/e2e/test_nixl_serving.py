@@ -13,7 +13,7 @@ import pytest
 
 from kvtransfer.bench.nixl_sweep import nixl_missing
 from splitserve.cluster import ClusterSpec, LocalCluster
-from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
 
 NIXL_MISSING = nixl_missing()
 pytestmark = [
@@ -32,10 +32,7 @@ def nixl_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
         prefill_args=["--max-num-batched-tokens", "32", "--block-size", "4"],
         decode_args=["--block-size", "4"],
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp("nixl"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from running_cluster(spec, tmp_path_factory.mktemp("nixl"))
 
 
 async def test_nixl_backend_serves_the_default_backends_greedy_output(

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.cluster import ClusterSpec, LocalCluster
-from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, start_cluster, wait_quiescent
+from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-small-pool")
 
@@ -25,10 +25,7 @@ def small_pool_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
         prefill_args=["--block-size", "4"],
         decode_args=["--block-size", "4", "--num-gpu-blocks", "40"],
     )
-    c = start_cluster(spec, tmp_path_factory.mktemp("small-pool"))
-    yield c
-    codes = c.stop()
-    assert all(code == 0 for code in codes.values()), codes
+    yield from running_cluster(spec, tmp_path_factory.mktemp("small-pool"))
 
 
 async def test_preempted_requests_resume_with_identical_output(
