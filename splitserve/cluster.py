@@ -102,6 +102,8 @@ class ClusterSpec:
     transfer_backend: str = "tcp"
     # every worker's weights and KV (engine.config.DTYPES): one dtype per cluster
     dtype: str = field_defaults(EngineConfig)["dtype"]
+    # every worker's cap on one prompt's tokens a step (EngineConfig; 0: off)
+    long_prefill_token_threshold: int = field_defaults(EngineConfig)["long_prefill_token_threshold"]
     coordinator_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
@@ -212,6 +214,8 @@ class LocalCluster:
                 s.transfer_backend,
                 "--dtype",
                 s.dtype,
+                "--long-prefill-token-threshold",
+                str(s.long_prefill_token_threshold),
             ]
             # workers load their models in parallel
             pending = [self._launch_worker(role, wid, worker_security[wid]) for role, wid in s.worker_ids()]

@@ -48,7 +48,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--long-prefill-token-threshold",
         type=_checked(_non_negative),
-        default=0,
+        default=spec["long_prefill_token_threshold"],
         help="every worker's cap on the tokens one prompt takes of a step, so prompts behind a long "
         "one start next step (0: off)",
     )
@@ -93,8 +93,6 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
     configure_logging(level="warning")  # the launcher's own logs until `started` opens its log file
     # fetch/convert/build the model once, before the workers race for it
     model = str(resolve_model_dir(args.model, say=say))
-    threshold = args.long_prefill_token_threshold
-    worker_args = ["--long-prefill-token-threshold", str(threshold)] if threshold else []
     return ClusterSpec(
         model=model,
         prefill_workers=args.prefill_workers,
@@ -105,12 +103,11 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         http_port=getattr(args, "http_port", 0),
         transfer_backend=args.transfer_backend,
         dtype=args.dtype,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         log_dir=choose_log_dir(args.log_dir, log_files_by_default),
         insecure_control_plane=bool(args.insecure_control_plane),
         cpus=dict(args.pin),
         threads=dict(args.threads),
-        prefill_args=list(worker_args),
-        decode_args=list(worker_args),
     )
 
 
