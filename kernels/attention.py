@@ -14,10 +14,10 @@ position (causal). Softmax and accumulation run in float32; the output has q's d
 
 On the CPU, decode over float32 or bfloat16 caches runs the C++ kernel of ``kernels.cpu_ext``
 (blocks read in place, online softmax in float32), also for the decode rows of a mixed batch;
-everything else there runs the torch references, which are the CPU forward path, not only test
-oracles: they gather the block tables into padded K/V and call one
-``scaled_dot_product_attention`` per layer.
-They read the unused tail of each sequence's last block (masked out), so the cache must
+each prompt chunk gathers its own blocks and takes one ``scaled_dot_product_attention`` in the
+cache's dtype (torch's CPU flash attention: bf16 GEMMs, float32 softmax). The ``*_ref`` functions
+are the float32 oracles the tests hold every path to, and the fallback where no kernel serves.
+The CPU paths read the unused tail of each sequence's last block (masked out), so the cache must
 hold finite values there: allocate it with ``torch.zeros``, never ``torch.empty`` (a NaN
 would survive the mask as 0 * NaN). The Triton kernels never read those slots.
 """
@@ -75,9 +75,9 @@ def paged_prefill_attention(
     if q.shape[0] == 0 or seq_lens.numel() == 0:
         return torch.empty_like(q)
     if not use_triton(q):
-        # decode rows through the decode kernel (C++ where it serves), the prompt chunks padded
+        # decode rows through the decode kernel (C++ where it serves), each prompt chunk its own SDPA
         args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-        return paged_prefill_attention_ref(*args, decode=paged_decode_attention)
+        return _split_prefill(*args, decode=paged_decode_attention, chunks=_prefill_chunks_sdpa)
     from kernels.attention_triton import paged_attention_triton
 
     if max_query_len is None:
@@ -146,29 +146,80 @@ def paged_prefill_attention_ref(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    decode: DecodeAttention = paged_decode_attention_ref,
 ) -> torch.Tensor:
-    """Torch reference of ``paged_prefill_attention``.
+    """Torch reference of ``paged_prefill_attention``: float32 math, every sequence's queries padded
+    to the batch's longest (sequences with one new token take the decode reference)."""
+    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
+    return _split_prefill(*args, decode=paged_decode_attention_ref, chunks=_padded_prefill_ref)
 
-    Sequences with one new token take ``decode`` (the decode reference; the CPU forward path
-    passes the dispatching ``paged_decode_attention``); the others are padded to their longest
-    query, so decode tokens in a mixed batch cost no padding.
-    """
+
+# (q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale) -> out: sequences with >1 new token
+PrefillChunks = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    torch.Tensor,
+]
+
+
+def _split_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    decode: DecodeAttention,
+    chunks: PrefillChunks,
+) -> torch.Tensor:
+    """Varlen prefill as two calls: sequences with one new token through ``decode`` (so decode
+    tokens in a mixed batch cost no padding), the prompt chunks through ``chunks``."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     single = q_lens == 1
     if bool(single.all()):
         return decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
     if not bool(single.any()):
-        return _padded_prefill_ref(q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale)
+        return chunks(q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale)
     single_token = torch.repeat_interleave(single, q_lens)
     multi = ~single
     out = torch.empty_like(q)
     out[single_token] = decode(
         q[single_token], k_cache, v_cache, block_tables[single], seq_lens[single], scale
     )
-    out[~single_token] = _padded_prefill_ref(
+    out[~single_token] = chunks(
         q[~single_token], k_cache, v_cache, block_tables[multi], q_lens[multi], seq_lens[multi], scale
     )
+    return out
+
+
+def _prefill_chunks_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    q_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU forward path for prompt chunks: one SDPA per sequence over its own keys, in the
+    cache's dtype (torch's CPU flash attention keeps scores, softmax and sums in float32 and runs
+    bfloat16 GEMMs on the matrix units: 2-4x the float32 upcast), causal without a mask when the
+    chunk has no cached prefix (the kernel then skips the blocks above the diagonal)."""
+    out = torch.empty_like(q)
+    start = 0
+    for row, (q_len, seq_len) in enumerate(zip(q_lens.tolist(), seq_lens.tolist(), strict=True)):
+        k, v, _ = _gather_kv(k_cache, v_cache, block_tables[row : row + 1], seq_lens[row : row + 1])
+        chunk = q[start : start + q_len].transpose(0, 1)[None]
+        if q_len == seq_len:  # keys past the prompt sit past every query: top-left causal is exact
+            mask, causal = None, True
+        else:
+            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+            mask, causal = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None], False
+        attended = F.scaled_dot_product_attention(
+            chunk, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+        out[start : start + q_len] = attended[0].transpose(0, 1)
+        start += q_len
     return out
 
 

@@ -7,6 +7,7 @@ import torch
 
 from kernels import paged_decode_attention, paged_prefill_attention
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
+from kernels.dispatch import forced
 from tests.kernels.conftest import DEVICE
 from tests.kernels.paged import PagedKV, cu_seqlens, dense_causal_attention, make_paged, rel_error
 
@@ -122,6 +123,33 @@ def test_bfloat16_cpp_matches_float32_reference(case: Case) -> None:
     mixed = paged_prefill_attention(q, paged.k_cache, paged.v_cache, tables[0], cu, tables[1], scale)
     expected = paged_prefill_attention_ref(q.float(), k32, v32, tables[0], cu, tables[1], scale)
     assert mixed.dtype == torch.bfloat16 and rel_error(mixed, expected) < BF16_TOL
+
+
+@pytest.mark.parametrize("seqs", [MIXED, PREFILL_ONLY], ids=["mixed", "prefill_only"])
+@pytest.mark.parametrize("case", CASES)
+def test_cpu_prefill_matches_dense_attention(case: Case, seqs: list[tuple[int, int]]) -> None:
+    # the CPU forward path (one SDPA per prompt chunk, causal without a mask when nothing is cached)
+    paged, q, cu, scale = _inputs(case, seqs, seed=18)
+    with forced("torch"):
+        out = paged_prefill_attention(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, cu, paged.seq_lens, scale
+        )
+    _assert_matches_dense(out, q, cu, paged, scale)
+
+
+def test_bfloat16_cpu_prefill_matches_float32_reference() -> None:
+    # SmolLM2's heads: a whole 300-token prompt, a 128-token chunk after 912 cached tokens and a
+    # decode row, in bfloat16 (GEMMs in bf16, scores and softmax in float32): one bf16 rounding
+    seqs = [(300, 300), (1040, 128), (65, 1)]
+    paged = make_paged([n for n, _ in seqs], 16, 3, 64, torch.bfloat16, seed=19)
+    q = torch.randn(sum(m for _, m in seqs), 9, 64).to(torch.bfloat16)
+    cu, scale = cu_seqlens([m for _, m in seqs]), 64**-0.5
+    tables = (paged.block_tables, cu, paged.seq_lens)
+    with forced("torch"):
+        out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, *tables, scale)
+    k32, v32 = paged.k_cache.float(), paged.v_cache.float()
+    expected = paged_prefill_attention_ref(q.float(), k32, v32, *tables, scale)
+    assert out.dtype == torch.bfloat16 and rel_error(out, expected) < BF16_TOL
 
 
 @pytest.mark.usefixtures("backend")
