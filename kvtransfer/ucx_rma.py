@@ -14,8 +14,10 @@ worker (`ucp_context_h` / `ucp_worker_h` handles of `ucxx.core._get_ctx()`) and 
   carries the C callback of kvtransfer.rma_wake, which UCP calls from whichever thread progresses
   the worker (UCXX's progress thread, or the event loop in UCXX's polling modes); the batch's last
   one queues it and writes an eventfd the loop watches. A get that returns a request moves its
-  bytes in a later progress, so `get` signals the worker (`ucp_worker_signal`) to wake UCXX's
-  progress thread out of epoll at once. Gets are posted from the loop thread while the progress
+  bytes in a later progress: for a batch of at most `INLINE_PROGRESS_BYTES`, `get` first progresses
+  the worker itself while UCP makes headway (never past a call that found nothing to do, so it does
+  not spin), which over CMA does the copy on the poster; otherwise, or when that did not finish it,
+  `get` signals the worker (`ucp_worker_signal`) to wake UCXX's progress thread out of epoll at once. Gets are posted from the loop thread while the progress
   thread progresses: that needs a worker in UCS_THREAD_MODE_MULTI, which `Rma` checks at creation.
 
 Cancelling an RMA get is not something UCP offers: a caller that gives up must still await the
@@ -45,6 +47,10 @@ _THREAD_MODE_MULTI = 2
 _MEM_MAP_FIELDS = 0b1011  # ADDRESS | LENGTH | PROT
 _PROT_LOCAL_RW_REMOTE_READ = (1 << 0) | (1 << 1) | (1 << 8)
 _OP_ATTR_CALLBACK, _OP_ATTR_USER_DATA, _OP_ATTR_MEMH = 1 << 1, 1 << 2, 1 << 8
+# A batch of at most this many bytes is progressed by its poster while UCP makes headway (0: never;
+# SPLITSERVE_RMA_INLINE_BYTES overrides it, for measurements); at most INLINE_PROGRESS_CALLS calls
+INLINE_PROGRESS_BYTES = int(os.environ.get("SPLITSERVE_RMA_INLINE_BYTES", str(4 << 20)))
+INLINE_PROGRESS_CALLS = 8
 
 
 class _MemMapParams(ctypes.Structure):
@@ -107,6 +113,7 @@ class _Ucp:
         self.get_nbx = bind(lib, "ucp_get_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, vp)
         self.request_free = bind(lib, "ucp_request_free", None, vp)
         self.worker_signal = bind(lib, "ucp_worker_signal", st, vp)
+        self.worker_progress = bind(lib, "ucp_worker_progress", ctypes.c_uint, vp)
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
@@ -210,6 +217,7 @@ class Rma:
         request_free = ctypes.cast(ucp.request_free, ctypes.c_void_p).value
         self._wake = CWake(None, request_free, self._efd, 0)
         self._batches: dict[int, _Batch] = {}  # by the address of their C struct
+        self.completed_inline = 0  # batches `_progress_inline` finished (the rest: progress thread)
         self._drained = asyncio.Event()
         self._loop.add_reader(self._efd, self._drain)
 
@@ -271,12 +279,34 @@ class Rma:
             # else: a request; UCP calls rma_wake_complete for it
         if self._native.release(ctypes.byref(batch.c), released, error):
             self._finish(address)
+        elif self._progress_inline(batch, sum(run.nbytes for run in runs)):
+            self.completed_inline += 1
+            self._drain()
         elif (status := ucp.worker_signal(self.worker)) != 0:
             # A get that returned a request moves its bytes in a later ucp_worker_progress: the
             # signal wakes UCXX's progress thread from epoll now, not at its timeout. Without it
             # the gets still complete (at the timeout), so a failure is logged, not raised.
             log.warning("ucp_worker_signal failed", status=ucp.status_string(status).decode())
         return batch.future
+
+    def _progress_inline(self, batch: _Batch, nbytes: int) -> bool:
+        """Progress the worker on this thread while it makes headway, until `batch` finished (True).
+
+        Stops at the first call that found nothing to do, so it never spins: an idle call means the
+        bytes are not ready here (a network lane, or the progress thread already copying), and the
+        signal below hands the batch to the progress thread. Over CMA a small batch's copy then runs
+        here, sparing the two thread wake-ups (progress thread, then the loop) that its completion
+        otherwise costs; the copy itself is work this process does on some thread either way."""
+        if nbytes > INLINE_PROGRESS_BYTES:
+            return False
+        progress = _lib().worker_progress
+        for _ in range(INLINE_PROGRESS_CALLS):
+            made_headway = progress(self.worker)
+            if not batch.c.pending:
+                return True
+            if not made_headway:
+                return False
+        return False
 
     async def close(self) -> None:
         """Wait until every posted get completed (close the endpoints first, so that none can be

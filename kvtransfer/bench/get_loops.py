@@ -3,8 +3,10 @@
 The same measurement as the two-sided rows (`bench_loops`, `runner.raw_row`): rings of at least 4x
 the LLC on both sides, a warm-up run, `repeats` runs sized to `--duration`, the last one verified
 (CRC-32 of every ring buffer on both sides), GB/s from the first to the last completion, latency per
-get from post to completion, `depth` gets in flight. The sender maps each ring buffer once and does
-nothing while the bytes move; its CPU is still counted (UCX's progress thread included).
+get from post to completion, `depth` gets in flight: `depth` streams, each posting its next get as
+soon as its last one completed (as NIXL's row reposts; no task or semaphore per get). The sender
+maps each ring buffer once and does nothing while the bytes move; its CPU is still counted (UCX's
+progress thread included).
 
 Agent side: `GetLoops` is a mixin of `Agent` (ops `get_expose`, `bench_get`, `get_sender_state`, `gets_done`).
 """
@@ -21,7 +23,7 @@ from kvtransfer.bench.bench_loops import BenchLoops, cpu_seconds, percentiles_us
 from kvtransfer.bench.report import Progress, Row, format_size
 from kvtransfer.transport import Transport
 from kvtransfer.ucx import UcxPeer, UcxTransport
-from kvtransfer.ucx_rma import GetRun, MemRegion, RemoteKey
+from kvtransfer.ucx_rma import GetRun, MemRegion
 
 BACKEND = "ucx-get"
 
@@ -71,37 +73,35 @@ class GetLoops:
             self._local = self._map_ring(self._local)
         keys = [remote.unpack_rkey(bytes.fromhex(rkey)) for rkey, _ in sources]
         loop = asyncio.get_running_loop()
-        slots = asyncio.Semaphore(depth)
         latencies: list[float] = []
         done_at: list[float] = []
-        failures: list[Exception] = []
+        failed = False
 
-        async def one(i: int, key: RemoteKey) -> None:
-            try:
+        async def stream(first: int) -> None:
+            # one of `depth` streams: gets first, first + depth, ... back to back, each posted as
+            # soon as the one before it completed (no task or semaphore per get)
+            nonlocal failed
+            for i in range(first, iters, depth):
+                if failed:
+                    return  # the peer is gone: stop posting, report the first failure below
                 j = i % len(ring)
                 t0 = time.perf_counter()
                 run = GetRun(ring[j].data_ptr(), int(sources[j][1]), ring[j].nbytes)
-                await rma.get(key, [run], self._local[j] if self._local else None)
+                try:
+                    await rma.get(keys[i % len(keys)], [run], self._local[j] if self._local else None)
+                except Exception:
+                    failed = True
+                    raise
                 latencies.append(time.perf_counter() - t0)
                 done_at.append(loop.time())
                 self.gets_done += 1
-            except Exception as e:
-                failures.append(e)
-                raise
-            finally:
-                slots.release()
 
-        gets = []
         cpu0 = cpu_seconds()
+        streams = [asyncio.ensure_future(stream(k)) for k in range(min(depth, iters))]
         try:
-            for i in range(iters):
-                await slots.acquire()
-                if failures:  # the peer is gone: stop posting, report the first failure below
-                    break
-                gets.append(asyncio.ensure_future(one(i, keys[i % len(keys)])))
-            await asyncio.gather(*gets)
+            await asyncio.gather(*streams)
         finally:
-            await asyncio.gather(*gets, return_exceptions=True)
+            await asyncio.gather(*streams, return_exceptions=True)
             for key in keys:
                 key.close()
         span = done_at[-1] - done_at[0] if len(done_at) > 1 else 0.0

@@ -6,8 +6,8 @@ connects a real UcxTransport to every agent, and batch `i` reads peer `i % len(p
 `i // len(peers) % n` into local buffer `i` in `runs` gets of equal parts, all batches posted
 before any is awaited. Batches on peer `bad_peer` also read one run from an address no mapping of
 it covers, which fails that endpoint (UCP then fails every get on it) and no other. Prints one
-JSON line: per batch "ok" or the error, CRC-32 per batch buffer, and what the Rma still held
-after the transport closed.
+JSON line: per batch "ok" or the error, CRC-32 per batch buffer, how many batches their poster
+finished (`Rma.completed_inline`), and what the Rma still held after the transport closed.
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ async def main(spec: dict[str, Any]) -> dict[str, Any]:
         "outcomes": ["ok" if o is None else f"{type(o).__name__}: {o}" for o in outcomes],
         "crcs": [zlib.crc32(buf.numpy().tobytes()) for buf in bufs],
         "in_flight_after_posting": in_flight,
+        "completed_inline": rma.completed_inline,
         "pending_after_close": rma.pending,
         "eventfds_left": _eventfds() - eventfds_before,
     }

@@ -122,9 +122,13 @@ def two_agents() -> Iterator[list[SpawnedAgent]]:
 NBYTES = 256 << 10  # large enough that UCP returns a request for every get (CMA, this UCX)
 
 
+@pytest.mark.parametrize("inline", [False, True], ids=["progress_thread", "inline"])
 async def test_many_concurrent_batches_get_their_own_outcome_and_nothing_leaks(
-    two_agents: list[SpawnedAgent],
+    two_agents: list[SpawnedAgent], inline: bool
 ) -> None:
+    # progress_thread: no batch is progressed by its poster, so all of them complete on UCXX's
+    # progress thread together; inline: the poster progresses each (4 x 64 KiB) while UCP makes
+    # headway, and over CMA that finishes some before the next is posted
     peers, rings = [], []
     for seed, agent in enumerate(two_agents):
         client = AgentClient(agent.control)
@@ -144,13 +148,18 @@ async def test_many_concurrent_batches_get_their_own_outcome_and_nothing_leaks(
         "batches": 24,
         "runs": 4,
     }
+    env = {**os.environ, "SPLITSERVE_RMA_INLINE_BYTES": str(NBYTES if inline else 0)}
     reader = subprocess.run(
         [sys.executable, "-m", "tests.kvtransfer.rma_batches", json.dumps(spec)],
-        capture_output=True, text=True, timeout=120, check=False, cwd=Path(__file__).parents[2],
+        capture_output=True, text=True, timeout=120, check=False, cwd=Path(__file__).parents[2], env=env,
     )  # fmt: skip
     assert reader.returncode == 0, reader.stderr[-4000:]
     out = json.loads(reader.stdout.strip().splitlines()[-1])
-    assert out["in_flight_after_posting"] > 1, "the batches were not in flight together"
+    if inline:
+        assert out["completed_inline"] > 0, "no batch finished on its poster"
+    else:
+        assert out["completed_inline"] == 0
+        assert out["in_flight_after_posting"] > 1, "the batches were not in flight together"
     for i, outcome in enumerate(out["outcomes"]):
         if i % 2 == 0:  # the good peer: bit-exact
             assert outcome == "ok", (i, outcome)
