@@ -20,6 +20,19 @@ uncached_tokens is the sequence minus the longest prefix whose chained block has
 the queue costs more than the recompute (seed 001, "the cache hit that loses"). A colocated worker is
 its own decode worker.
 
+A worker that runs `--long-prefill-token-threshold T` (it reports T, and how many of its queued
+tokens belong to longer prompts) does not serve its queue in order: a prompt of at most T tokens
+starts beside the long ones, which take T a step, one at a time. There
+
+    short prompt (n <= T): steps = ceil((short queued + n) / (per_step - T)), computing those short
+        tokens plus min(long queued, steps x T) long ones (per_step - T becomes per_step once no long
+        work is queued)
+    long prompt:           steps = ceil((long queued + n) / T), computing those long tokens plus
+        min(short queued, steps x (per_step - T)) short ones
+
+each step costing step_base, each token cost_per_token; without T, or with T >= per_step, the plain
+FIFO compute above. Without this a chat behind a queued document was priced after the document.
+
 Conditional disaggregation (`RoutingPolicy.disaggregation`): the remote path costs the prefill
 worker's estimate plus the decode worker's measured KV transfer time; the local path (the decode
 worker prefills the prompt itself, in chunks of the step budget its running decodes leave) costs
@@ -199,8 +212,27 @@ class Router:
     ) -> tuple[float, int]:
         """(estimated ms to the first token on `worker`, tokens of the sequence it has cached)."""
         cached = self.cached_tokens(worker, token_ids, hashes)
-        queued = worker.load.queued_tokens + worker.pending_tokens
-        return self.compute_ms(worker, queued + len(token_ids) - cached), cached
+        return self.prefill_ms(worker, len(token_ids) - cached), cached
+
+    def prefill_ms(self, worker: WorkerInfo, uncached: int) -> float:
+        """Estimated ms until a new prompt of `uncached` tokens has its first token on `worker`,
+        behind the work queued there (module doc: in order, or beside long prompts under T)."""
+        load = worker.load
+        queued = load.queued_tokens + worker.pending_tokens
+        per_step, threshold = load.step_token_budget, load.long_prefill_token_threshold
+        if not 0 < threshold < per_step:
+            return self.compute_ms(worker, queued + uncached)
+        long_work = min(queued, load.queued_long_tokens + worker.pending_long_tokens)
+        short_work = queued - long_work
+        if uncached <= threshold:
+            short, beside = short_work + uncached, per_step - threshold if long_work else per_step
+            steps = -(-short // beside)
+            tokens = short + min(long_work, steps * threshold)
+        else:
+            steps = -(-(long_work + uncached) // threshold)
+            tokens = long_work + uncached + min(short_work, steps * (per_step - threshold))
+        cost_ms = self.cost_us_per_token(worker) / 1e3
+        return tokens * cost_ms + steps * load.step_base_ms
 
     def compute_ms(self, worker: WorkerInfo, tokens: int, per_step: int | None = None) -> float:
         """Estimated ms for `worker` to compute `tokens`, `per_step` (default: its step budget) a step."""
@@ -388,7 +420,10 @@ class Router:
         return blocks_for(num_tokens, largest.block_size), largest
 
     def commit(self, placement: Placement) -> None:
-        placement.prefill.pending_tokens += placement.uncached_tokens
+        prefill = placement.prefill
+        prefill.pending_tokens += placement.uncached_tokens
+        if 0 < prefill.load.long_prefill_token_threshold < placement.uncached_tokens:
+            prefill.pending_long_tokens += placement.uncached_tokens
         placement.decode.pending_blocks += placement.needed_blocks
 
     def commit_decode(self, decode: WorkerInfo, num_tokens: int) -> None:

@@ -43,6 +43,7 @@ class WorkerInfo:
     prefix_hashes: set[int] = field(default_factory=set)
     pending_blocks: int = 0  # decode blocks placed here since the last report
     pending_tokens: int = 0  # uncached prefill tokens placed here since the last report
+    pending_long_tokens: int = 0  # of those, prompts over its long_prefill_token_threshold
 
     def __post_init__(self) -> None:
         n = self.register.num_blocks
@@ -108,7 +109,7 @@ class WorkerInfo:
         """A fresh report covers everything placed before it (FIFO socket): pending work is now in it."""
         self.pool.CopyFrom(pool)
         self.load.CopyFrom(load)
-        self.pending_blocks = self.pending_tokens = 0
+        self.pending_blocks = self.pending_tokens = self.pending_long_tokens = 0
 
     def apply_prefix_events(self, events: control_pb2.PrefixCacheEvents, contiguous: bool) -> None:
         """Update the prefix view; a lost heartbeat (`contiguous` false) forgets the partial view first."""

@@ -259,15 +259,19 @@ class WorkerRole:
         return {"waiting": len(self.engine.scheduler.waiting), "running": len(self.engine.scheduler.running)}
 
     def load(self) -> serving_pb2.WorkerLoad:
-        sched = self.engine.scheduler
+        sched, config = self.engine.scheduler, self.engine.config
+        prompt_left = [s.num_tokens - s.num_computed_tokens for s in sched.waiting]
         prefilling = (s.num_tokens - s.num_computed_tokens for s in sched.running)
+        prompt_left += [n for n in prefilling if n > 1]  # a decode's one token is not prefill work
+        threshold = config.long_prefill_token_threshold
         return serving_pb2.WorkerLoad(
             queued_requests=len(sched.waiting),
-            queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting)
-            + sum(n for n in prefilling if n > 1),  # a decode's one token is not prefill work
+            queued_tokens=sum(prompt_left),
+            queued_long_tokens=sum(n for n in prompt_left if 0 < threshold < n),
+            long_prefill_token_threshold=threshold,
             running_requests=len(sched.running),
-            step_token_budget=self.engine.config.max_num_batched_tokens,
-            prefill_tokens_while_decoding=self.engine.config.prefill_tokens_while_decoding,
+            step_token_budget=config.max_num_batched_tokens,
+            prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
             prefill_us_per_token=self.stepper.cost.us_per_token,
             step_base_ms=self.stepper.cost.base_ms,
             decode_step_ms=self.stepper.decode_step_ms,

@@ -1489,6 +1489,8 @@ class WorkerLoad(_message.Message):
     KV_TRANSFER_MS_FIELD_NUMBER: _builtins.int
     STEP_BASE_MS_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_WHILE_DECODING_FIELD_NUMBER: _builtins.int
+    LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _builtins.int
+    QUEUED_LONG_TOKENS_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1521,6 +1523,12 @@ class WorkerLoad(_message.Message):
     """Prompt tokens one step may carry beside running decodes (--prefill-tokens-while-decoding);
     0: no cap beyond step_token_budget.
     """
+    long_prefill_token_threshold: _builtins.int
+    """--long-prefill-token-threshold (0: off): a prompt with more tokens left than this takes at most
+    this many a step, one such prompt at a time, and shorter prompts pass beside it.
+    """
+    queued_long_tokens: _builtins.int
+    """Of queued_tokens, those of prompts with more than long_prefill_token_threshold left (0 when off)."""
     def __init__(
         self,
         *,
@@ -1535,10 +1543,12 @@ class WorkerLoad(_message.Message):
         kv_transfer_ms: _builtins.float = ...,
         step_base_ms: _builtins.float = ...,
         prefill_tokens_while_decoding: _builtins.int = ...,
+        long_prefill_token_threshold: _builtins.int = ...,
+        queued_long_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

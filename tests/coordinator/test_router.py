@@ -133,3 +133,38 @@ def test_a_worker_without_a_fitted_slope_borrows_the_pools_fit(pool: Pool) -> No
     for w in ("p1", "p2", "d"):  # nobody fitted: each its own average
         pool.report(w, us_per_token=500.0)
     assert cost(pool.registry.get("d")) == pytest.approx(500.0)  # type: ignore[arg-type]
+
+
+# P at 1 ms a token and 20 ms a step, 512 tokens a step, one 1,024-token document queued
+THRESHOLD_LOAD = {"us_per_token": 1000.0, "step_base_ms": 20.0, "step_token_budget": 512}
+
+
+def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Pool) -> None:
+    """Under --long-prefill-token-threshold 128 a 64-token chat starts in the next step, beside the
+    document's 128-token chunk (one step: 64 + 128 tokens), not after its 1,024 tokens; a second
+    document waits for the first at 128 tokens a step. Without the threshold: first come, first served."""
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    p = pool.registry.get("p")
+    assert p is not None
+    pool.report(
+        "p", queued_tokens=1024, queued_long_tokens=1024, long_prefill_token_threshold=128, **THRESHOLD_LOAD
+    )
+    assert pool.router.prefill_ms(p, 64) == pytest.approx(192 + 20)
+    assert pool.router.prefill_ms(p, 1024) == pytest.approx(2048 + 16 * 20)  # 16 steps of 128
+    placed = pool.router.place(list(range(1024)))
+    assert placed is not None
+    pool.router.commit(placed)  # placed since the report: a long prompt too
+    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(192 + 20)
+    assert pool.router.prefill_ms(p, 1024) == pytest.approx(3072 + 24 * 20)
+    pool.report(
+        "p",
+        queued_tokens=1024 + 400,
+        queued_long_tokens=1024,
+        long_prefill_token_threshold=128,
+        **THRESHOLD_LOAD,
+    )
+    # 400 short tokens ahead: 464 of them at 384 a step beside the document's chunks = 2 steps
+    assert p.pending_long_tokens == 0 and pool.router.prefill_ms(p, 64) == pytest.approx(464 + 256 + 40)
+    pool.report("p", queued_tokens=1024, **THRESHOLD_LOAD)  # no threshold: behind the document
+    assert pool.router.prefill_ms(p, 64) == pytest.approx(1088 + 3 * 20)
