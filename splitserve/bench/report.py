@@ -13,16 +13,19 @@ def render(study: dict[str, Any]) -> str:
     width = max([len(r["variant"]) for r in study["rows"]] + [8]) + 2
     lines = [
         f"{'variant':<{width}}{'rate':>6}{'done':>7}{'tok/s':>8}{'ttft p50':>10}{'p99':>8}"
-        f"{'tpot p50':>10}{'p99':>8}{'itl p99':>9}{'slo':>6}{'cpu/req':>9}"
+        f"{'tpot p50':>10}{'p99':>8}{'itl p99':>9}{'1st':>6}{'later':>7}{'slo':>6}{'cpu/req':>9}"
     ]
     for r in study["rows"]:
         lines.append(
             f"{r['variant']:<{width}}{r['rate']:>6g}{r['completed']:>4}/{r['num_requests']:<2}"
             f"{r['output_tok_s']:>8.1f}{r['ttft_ms']['p50']:>10.0f}{r['ttft_ms']['p99']:>8.0f}"
             f"{r['tpot_ms']['p50']:>10.1f}{r['tpot_ms']['p99']:>8.1f}{r['itl_ms']['p99']:>9.1f}"
-            f"{r['attainment']:>6.0%}{_cpu(r.get('cluster_cpu_ms_per_request')):>9}"
+            f"{r['first_itl_ms']['p99']:>6.0f}{r['later_itl_ms']['p99']:>7.0f}{r['attainment']:>6.0%}{_cpu(r.get('cluster_cpu_ms_per_request')):>9}"
         )
-    lines.append("(milliseconds; cpu/req: CPU ms of the cluster's processes per request)")
+    lines.append(
+        "(milliseconds; itl 1st / later: p99 of each request's first gap, token 1 -> 2, and of the"
+        " gaps after it; cpu/req: CPU ms of the cluster's processes per request)"
+    )
     lines.append("")
     lines.append(
         f"{'breakdown (mean)':<{width + 6}}" + "".join(f"{k.removesuffix('_ms'):>12}" for k in BREAKDOWN)

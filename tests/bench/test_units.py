@@ -46,6 +46,17 @@ def test_other_is_left_out_for_a_resumed_request() -> None:
     assert row["breakdown_ms"]["queue_ms"] == pytest.approx(65.0) and row["resumed"] == 1
 
 
+def test_first_gaps_are_reported_apart_from_the_rest() -> None:
+    # a remote request's first gap holds the hop: the row splits it from the later gaps
+    hop, steady = trace("chat", 50.0, 20.0, tokens=4), trace("chat", 50.0, 20.0, tokens=4)
+    hop.token_times[1:] = [x + 0.1 for x in hop.token_times[1:]]  # token 2 came 100 ms late
+    row = summarize([hop, steady], 1.0, {"chat": Latency(1e3, 1e3)})
+    assert row["first_itl_ms"]["p99"] == pytest.approx(120.0, abs=1.0)
+    assert row["first_itl_ms"]["p50"] == pytest.approx(20.0)
+    assert row["later_itl_ms"]["p99"] == pytest.approx(20.0)
+    assert row["itl_ms"]["p99"] == pytest.approx(row["first_itl_ms"]["p99"])
+
+
 def test_docs_chats_mix_has_exact_shares_and_is_seeded() -> None:
     items = mixed(MIXES["docs-chats"], 40, vocab=100, seed=3)
     assert sum(1 for it in items if it.kind == "doc") == 10
