@@ -27,6 +27,24 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
+class _LongPromptSlot:
+    """One step's single place for a long prompt: under `long_prefill_token_threshold` (0: off),
+    only the first prompt asked about with more tokens left than the threshold gets it (the
+    scheduler asks oldest first); shorter prompts always pass."""
+
+    threshold: int
+    taken: bool = False
+
+    def admits(self, seq: Sequence) -> bool:
+        if not 0 < self.threshold < seq.num_tokens - seq.num_computed_tokens:
+            return True
+        if self.taken:
+            return False
+        self.taken = True
+        return True
+
+
+@dataclass(slots=True)
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int
@@ -109,7 +127,7 @@ class Scheduler:
         chunk = self.config.long_prefill_token_threshold or budget  # one prompt's share of a step
         # under the threshold, one long prompt (more than `chunk` tokens left) at a time, oldest
         # first: long prompts finish in turn instead of sharing steps, short ones pass beside them
-        long_busy = False
+        long_slot = _LongPromptSlot(self.config.long_prefill_token_threshold)
         # decodes first, then prompt chunks (each oldest first): a prefill only gets the budget the
         # running decodes leave (and, beside decodes, at most prefill_tokens_while_decoding), so it
         # never delays their next token by more than that
@@ -120,10 +138,8 @@ class Scheduler:
                 continue  # preempted below for an earlier sequence's slots
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if n > 1:  # a prompt chunk
-                if self._long(seq):
-                    if long_busy:
-                        continue
-                    long_busy = True
+                if not long_slot.admits(seq):
+                    continue
                 n = min(n, prefill, chunk)
                 if n <= 0:
                     break  # prompt chunks come last: the prefill budget is spent
@@ -142,10 +158,8 @@ class Scheduler:
         for seq in list(self.waiting):
             if min(budget, prefill) <= 0 or len(self.running) >= self.config.max_num_seqs or preempted:
                 break
-            if self._long(seq):
-                if long_busy:
-                    continue  # a shorter prompt behind it may still start
-                long_busy = True
+            if not long_slot.admits(seq):
+                continue  # a shorter prompt behind it may still start
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill, chunk)
@@ -197,11 +211,6 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-
-    def _long(self, seq: Sequence) -> bool:
-        """More prompt tokens left than `long_prefill_token_threshold` (never while it is 0)."""
-        threshold = self.config.long_prefill_token_threshold
-        return 0 < threshold < seq.num_tokens - seq.num_computed_tokens
 
     def _reset(self, seq: Sequence) -> None:
         self.kv.free(seq)
