@@ -70,7 +70,7 @@ from dataclasses import dataclass, replace
 from coordinator.routing_policy import RoutingPolicy
 from coordinator.workers import COLOCATED, DECODE, WorkerInfo, WorkerRegistry
 from engine.block_pool import hash_block
-from engine.config import prefill_budget
+from engine.config import long_prompt, prefill_budget
 from splitserve.v1 import serving_pb2
 
 # used until some prefill worker has measured its cost (microseconds per uncached prompt token)
@@ -224,7 +224,7 @@ class Router:
             return self.compute_ms(worker, queued + uncached)
         long_work = min(queued, load.queued_long_tokens + worker.pending_long_tokens)
         short_work = queued - long_work
-        if uncached <= threshold:
+        if not long_prompt(threshold, uncached):
             short, beside = short_work + uncached, per_step - threshold if long_work else per_step
             steps = -(-short // beside)
             tokens = short + min(long_work, steps * threshold)
@@ -422,7 +422,7 @@ class Router:
     def commit(self, placement: Placement) -> None:
         prefill = placement.prefill
         prefill.pending_tokens += placement.uncached_tokens
-        if 0 < prefill.load.long_prefill_token_threshold < placement.uncached_tokens:
+        if long_prompt(prefill.load.long_prefill_token_threshold, placement.uncached_tokens):
             prefill.pending_long_tokens += placement.uncached_tokens
         placement.decode.pending_blocks += placement.needed_blocks
 

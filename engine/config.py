@@ -19,6 +19,13 @@ def prefill_budget(step_budget: int, cap: int, decodes: int) -> int:
     return min(spare, cap) if cap and decodes else spare
 
 
+def long_prompt(threshold: int, tokens_left: int) -> bool:
+    """More prompt tokens left than `EngineConfig.long_prefill_token_threshold` (never while it is
+    0): the scheduler runs one such prompt at a time, workers report their tokens apart
+    (`WorkerLoad.queued_long_tokens`), and the router prices them behind each other."""
+    return 0 < threshold < tokens_left
+
+
 @dataclass(slots=True)
 class EngineConfig:
     """How one engine instance sizes its KV pool and its steps.

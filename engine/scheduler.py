@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from engine.config import EngineConfig, prefill_budget
+from engine.config import EngineConfig, long_prompt, prefill_budget
 from engine.kv_manager import KVCacheManager
 from engine.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -36,7 +36,7 @@ class _LongPromptSlot:
     taken: bool = False
 
     def admits(self, seq: Sequence) -> bool:
-        if not 0 < self.threshold < seq.num_tokens - seq.num_computed_tokens:
+        if not long_prompt(self.threshold, seq.num_tokens - seq.num_computed_tokens):
             return True
         if self.taken:
             return False

@@ -17,7 +17,7 @@ from typing import Any, TypeAlias
 
 import structlog
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, long_prompt
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
@@ -267,7 +267,7 @@ class WorkerRole:
         return serving_pb2.WorkerLoad(
             queued_requests=len(sched.waiting),
             queued_tokens=sum(prompt_left),
-            queued_long_tokens=sum(n for n in prompt_left if 0 < threshold < n),
+            queued_long_tokens=sum(n for n in prompt_left if long_prompt(threshold, n)),
             long_prefill_token_threshold=threshold,
             running_requests=len(sched.running),
             step_token_budget=config.max_num_batched_tokens,
