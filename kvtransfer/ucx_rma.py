@@ -10,15 +10,16 @@ worker (`ucp_context_h` / `ucp_worker_h` handles of `ucxx.core._get_ctx()`) and 
 - `RemoteKey`: a peer's packed key unpacked on one endpoint (`ucp_ep_rkey_unpack`); the reader owns
   it and `close()`s it (`ucp_rkey_destroy`) before that endpoint is closed.
 - `Rma.get(ep, runs)`: posts one `ucp_get_nbx` per run at once and returns a future that completes
-  once every get finished. Completion never polls and takes no GIL off the loop: each pending get
+  once every get finished. Completion never spins and takes no GIL off the loop: each pending get
   carries the C callback of kvtransfer.rma_wake, which UCP calls from whichever thread progresses
   the worker (UCXX's progress thread, or the event loop in UCXX's polling modes); the batch's last
   one queues it and writes an eventfd the loop watches. A get that returns a request moves its
   bytes in a later progress: for a batch of at most `INLINE_PROGRESS_BYTES`, `get` first progresses
   the worker itself while UCP makes headway (never past a call that found nothing to do, so it does
   not spin), which over CMA does the copy on the poster; otherwise, or when that did not finish it,
-  `get` signals the worker (`ucp_worker_signal`) to wake UCXX's progress thread out of epoll at once. Gets are posted from the loop thread while the progress
-  thread progresses: that needs a worker in UCS_THREAD_MODE_MULTI, which `Rma` checks at creation.
+  `get` signals the worker (`ucp_worker_signal`) to wake UCXX's progress thread out of epoll at
+  once. Gets are posted from the loop thread while the progress thread progresses: that needs a
+  worker in UCS_THREAD_MODE_MULTI, which `Rma` checks at creation.
 
 Cancelling an RMA get is not something UCP offers: a caller that gives up must still await the
 future before the destination memory is reused (kvtransfer.pull does).
