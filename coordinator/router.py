@@ -21,17 +21,18 @@ the queue costs more than the recompute (seed 001, "the cache hit that loses"). 
 its own decode worker.
 
 A worker that runs `--long-prefill-token-threshold T` (it reports T, and how many of its queued
-tokens belong to longer prompts) does not serve its queue in order: a prompt of at most T tokens
-starts beside the long ones, which take T a step, one at a time. There
+tokens belong to longer prompts) does not serve its queue in order: prompts of at most T tokens go
+first, and the one long prompt's chunk fills each step's prompt tokens up to T after them (at least
+one block of B tokens). With t = min(T, per_step) there
 
-    short prompt (n <= T): steps = ceil((short queued + n) / (per_step - T)), computing those short
-        tokens plus min(long queued, steps x T) long ones (per_step - T becomes per_step once no long
-        work is queued)
-    long prompt:           steps = ceil((long queued + n) / T), computing those long tokens plus
-        min(short queued, steps x (per_step - T)) short ones
+    short prompt (n <= T): steps = ceil((short queued + n) / (per_step - B)), computing those short
+        tokens plus min(long queued, max(steps x t - short, steps x B)) long ones (B is 0 once no
+        long work is queued)
+    long prompt:           steps = ceil((long queued + short queued + n) / t), computing all of them
+        (every queued short prompt runs first)
 
-each step costing step_base, each token cost_per_token; without T, or with T >= per_step, the plain
-FIFO compute above. Without this a chat behind a queued document was priced after the document.
+each step costing step_base, each token cost_per_token; without T, the plain FIFO compute above.
+Without this a chat behind a queued document was priced after the document.
 
 Conditional disaggregation (`RoutingPolicy.disaggregation`): the remote path costs the prefill
 worker's estimate plus the decode worker's measured KV transfer time; the local path (the decode
@@ -220,17 +221,19 @@ class Router:
         load = worker.load
         queued = load.queued_tokens + worker.pending_tokens
         per_step, threshold = load.step_token_budget, load.long_prefill_token_threshold
-        if not 0 < threshold < per_step:
+        if not threshold or per_step <= 0:
             return self.compute_ms(worker, queued + uncached)
         long_work = min(queued, load.queued_long_tokens + worker.pending_long_tokens)
         short_work = queued - long_work
+        fill = min(threshold, per_step)  # a step's prompt tokens while a long prompt runs
         if not long_prompt(threshold, uncached):
-            short, beside = short_work + uncached, per_step - threshold if long_work else per_step
-            steps = -(-short // beside)
-            tokens = short + min(long_work, steps * threshold)
+            floor = min(worker.block_size, fill) if long_work else 0
+            short = short_work + uncached
+            steps = -(-short // max(1, per_step - floor))
+            tokens = short + min(long_work, max(steps * fill - short, steps * floor))
         else:
-            steps = -(-(long_work + uncached) // threshold)
-            tokens = long_work + uncached + min(short_work, steps * (per_step - threshold))
+            tokens = long_work + short_work + uncached
+            steps = -(-tokens // fill)
         cost_ms = self.cost_us_per_token(worker) / 1e3
         return tokens * cost_ms + steps * load.step_base_ms
 

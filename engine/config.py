@@ -38,9 +38,11 @@ class EngineConfig:
     whole budget.
     `long_prefill_token_threshold` (0: off; vLLM's flag of that name, with its default of one long
     partial prefill) caps the chunk any one prompt takes of a step and lets one prompt with more
-    tokens left than that run at a time (the oldest), so the rest of the budget admits shorter
-    prompts that arrived behind it: a 64-token prompt then waits one step, not the whole 1,024-token
-    prompt ahead of it, and long prompts still finish one after another rather than all late.
+    tokens left than that run at a time (the oldest); shorter prompts go before its chunk, which
+    fills the step's prompt tokens up to the threshold after them (at least one KV block, so it
+    always advances): a 64-token prompt behind a 1,024-token one then waits one step, not the whole
+    prompt, in a step no longer than the long prompt's alone, and long prompts still finish one after
+    another rather than all late.
 
     Role policy (set by the role that builds the engine, never changed after construction):
     `prefill_only` finishes a sequence after its first sample (its `finish_reason` is its stop reason,

@@ -8,6 +8,8 @@ the KV pool allow. Running decodes (one token each) take the budget before runni
 (Sarathi-Serve's stall-free batching): a decode never waits for a prompt, and a step computes at most
 the budget. With `prefill_tokens_while_decoding` a step that carries decodes schedules at most that
 many prompt tokens, so a prefill beside running requests stretches their step by a bounded amount.
+Under `long_prefill_token_threshold` short prompts go before the one long prompt's chunk, which
+fills the step up to the threshold after them (`_LongPromptSlot`).
 When the pool is short, the newest running sequence not yet scheduled this step is preempted: its
 blocks are freed and it returns to the front of the queue to be re-prefilled.
 
@@ -19,6 +21,7 @@ the next input. `release` takes any sequence out, wherever it is, and frees its 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from engine.config import EngineConfig, long_prompt, prefill_budget
@@ -28,20 +31,56 @@ from engine.sequence import FinishReason, Sequence, SequenceStatus
 
 @dataclass(slots=True)
 class _LongPromptSlot:
-    """One step's single place for a long prompt: under `long_prefill_token_threshold` (0: off),
-    only the first prompt asked about with more tokens left than the threshold gets it (the
-    scheduler asks oldest first); shorter prompts always pass."""
+    """One step's single place for a long prompt, and what it leaves the short ones.
+
+    Under `long_prefill_token_threshold` (0: off) only the first prompt asked about with more tokens
+    left than the threshold gets the slot (the scheduler asks oldest first); shorter prompts always
+    pass, and go first: the long prompt's chunk fills the step's prompt tokens up to the threshold
+    after the short prompts scheduled (`short_scheduled`) and those still waiting (`short_waiting`,
+    counted down as they are admitted), and never takes what the waiting ones need of the budget; but
+    it keeps at least `floor` (one KV block), so it advances every step however many short prompts
+    arrive."""
 
     threshold: int
+    floor: int
+    short_waiting: dict[Sequence, int]  # waiting short prompt -> its tokens left
+    short_scheduled: int = 0
     taken: bool = False
 
+    @classmethod
+    def for_step(cls, threshold: int, floor: int, waiting: Iterable[Sequence]) -> _LongPromptSlot:
+        left = {s: s.num_tokens - s.num_computed_tokens for s in waiting} if threshold else {}
+        return cls(threshold, floor, {s: n for s, n in left.items() if not long_prompt(threshold, n)})
+
+    def _is_long(self, seq: Sequence) -> bool:
+        return long_prompt(self.threshold, seq.num_tokens - seq.num_computed_tokens)
+
     def admits(self, seq: Sequence) -> bool:
-        if not long_prompt(self.threshold, seq.num_tokens - seq.num_computed_tokens):
+        if not self._is_long(seq):
             return True
         if self.taken:
             return False
         self.taken = True
         return True
+
+    def share(self, seq: Sequence, prefill: int) -> int:
+        """Prompt tokens `seq` may take of the `prefill` left this step."""
+        if not self._is_long(seq):
+            return prefill
+        waiting = sum(self.short_waiting.values())
+        fill = min(prefill - waiting, self.threshold - self.short_scheduled - waiting)
+        return max(fill, min(self.floor, prefill))
+
+    def scheduled(self, seq: Sequence, tokens: int) -> None:
+        """`seq` takes `tokens` of this step's prompt tokens."""
+        self.short_waiting.pop(seq, None)
+        if not self._is_long(seq):
+            self.short_scheduled += tokens
+
+    def order(self, seq: Sequence) -> int:
+        """Running work in step order: decodes, then short prompt chunks, then the long prompt's."""
+        left = seq.num_tokens - seq.num_computed_tokens
+        return 0 if left == 1 else 2 if long_prompt(self.threshold, left) else 1
 
 
 @dataclass(slots=True)
@@ -124,14 +163,16 @@ class Scheduler:
         decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
         cap = self.config.prefill_tokens_while_decoding
         prefill = prefill_budget(budget, cap, decodes)  # prompt tokens left this step
-        chunk = self.config.long_prefill_token_threshold or budget  # one prompt's share of a step
+        threshold = self.config.long_prefill_token_threshold
+        chunk = threshold or budget  # one prompt's share of a step
         # under the threshold, one long prompt (more than `chunk` tokens left) at a time, oldest
-        # first: long prompts finish in turn instead of sharing steps, short ones pass beside them
-        long_slot = _LongPromptSlot(self.config.long_prefill_token_threshold)
-        # decodes first, then prompt chunks (each oldest first): a prefill only gets the budget the
-        # running decodes leave (and, beside decodes, at most prefill_tokens_while_decoding), so it
-        # never delays their next token by more than that
-        for seq in sorted(self.running, key=lambda s: s.num_tokens - s.num_computed_tokens > 1):
+        # first: long prompts finish in turn instead of sharing steps, and short ones go before the
+        # long one's chunk, which fills what they leave
+        long_slot = _LongPromptSlot.for_step(threshold, min(self.kv.block_size, chunk), self.waiting)
+        # decodes first, then prompt chunks (short ones, then the long one; each oldest first): a
+        # prefill only gets the budget the running decodes leave (and, beside decodes, at most
+        # prefill_tokens_while_decoding), so it never delays their next token by more than that
+        for seq in sorted(self.running, key=long_slot.order):
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -140,10 +181,11 @@ class Scheduler:
             if n > 1:  # a prompt chunk
                 if not long_slot.admits(seq):
                     continue
-                n = min(n, prefill, chunk)
+                n = min(n, long_slot.share(seq, prefill), chunk)
                 if n <= 0:
                     break  # prompt chunks come last: the prefill budget is spent
                 prefill -= n
+                long_slot.scheduled(seq, n)
             while not self.kv.allocate_slots(seq, n):
                 victim = next(s for s in reversed(self.running) if s not in taken)
                 self.running.remove(victim)
@@ -162,11 +204,12 @@ class Scheduler:
                 continue  # a shorter prompt behind it may still start
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, prefill, chunk)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, long_slot.share(seq, prefill), chunk)
             if not self.kv.allocate_slots(seq, n):
                 self._reset(seq)
                 break
             prefill -= n
+            long_slot.scheduled(seq, n)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)

@@ -180,7 +180,8 @@ def test_the_cache_hit_that_loses_scaled_to_the_tiny_model(
 
 def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: ServedModel) -> None:
     # P queues one 4,000-token document (200 ms FIFO) but runs --long-prefill-token-threshold 128:
-    # a 32-token chat rides its next step (32 + 128 tokens = 8 ms) and the hop (3 ms) beats D's step
+    # a 32-token chat goes first in its next step, the document's chunk filling it to 128 tokens
+    # (6.4 ms), and with the hop (3 ms) beats D's step
     pool = conditional_pool(served_model, p_queued_tokens=4000)
     pool.report(
         "p", queued_tokens=4000, queued_long_tokens=4000, long_prefill_token_threshold=128,
@@ -188,5 +189,5 @@ def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: Ser
     )  # fmt: skip
     placement = pool.router.place(list(range(100, 132)))
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
-    assert placement.remote_ttft_ms == pytest.approx(160 * 0.05 + 3.0)
+    assert placement.remote_ttft_ms == pytest.approx(128 * 0.05 + 3.0)
     assert placement.local_ttft_ms == pytest.approx(1.6 + 20.0)

@@ -140,9 +140,11 @@ THRESHOLD_LOAD = {"us_per_token": 1000.0, "step_base_ms": 20.0, "step_token_budg
 
 
 def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Pool) -> None:
-    """Under --long-prefill-token-threshold 128 a 64-token chat starts in the next step, beside the
-    document's 128-token chunk (one step: 64 + 128 tokens), not after its 1,024 tokens; a second
-    document waits for the first at 128 tokens a step. Without the threshold: first come, first served."""
+    """Under --long-prefill-token-threshold 128 a 64-token chat goes first in the next step, the
+    document's chunk filling it to 128 tokens (one step), not after the document's 1,024 tokens; a
+    second document waits for the first at 128 tokens a step. With 400 short tokens queued ahead the
+    chat rides their step, the document keeping one block (16 tokens). Without the threshold: first
+    come, first served."""
     pool.add("p", "prefill")
     pool.add("d", "decode", num_blocks=1000)
     p = pool.registry.get("p")
@@ -150,12 +152,12 @@ def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Po
     pool.report(
         "p", queued_tokens=1024, queued_long_tokens=1024, long_prefill_token_threshold=128, **THRESHOLD_LOAD
     )
-    assert pool.router.prefill_ms(p, 64) == pytest.approx(192 + 20)
+    assert pool.router.prefill_ms(p, 64) == pytest.approx(128 + 20)
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(2048 + 16 * 20)  # 16 steps of 128
     placed = pool.router.place(list(range(1024)))
     assert placed is not None
     pool.router.commit(placed)  # placed since the report: a long prompt too
-    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(192 + 20)
+    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(128 + 20)
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(3072 + 24 * 20)
     pool.report(
         "p",
@@ -164,7 +166,9 @@ def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Po
         long_prefill_token_threshold=128,
         **THRESHOLD_LOAD,
     )
-    # 400 short tokens ahead: 464 of them at 384 a step beside the document's chunks = 2 steps
-    assert p.pending_long_tokens == 0 and pool.router.prefill_ms(p, 64) == pytest.approx(464 + 256 + 40)
+    # 464 short tokens first, in one step of 512 with the document's 16-token floor
+    assert p.pending_long_tokens == 0 and pool.router.prefill_ms(p, 64) == pytest.approx(464 + 16 + 20)
+    # a document behind all of it: 1,424 + 1,024 tokens at 128 a step
+    assert pool.router.prefill_ms(p, 1024) == pytest.approx(2448 + 20 * 20)
     pool.report("p", queued_tokens=1024, **THRESHOLD_LOAD)  # no threshold: behind the document
     assert pool.router.prefill_ms(p, 64) == pytest.approx(1088 + 3 * 20)

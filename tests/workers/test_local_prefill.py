@@ -118,6 +118,49 @@ def test_a_short_prompt_behind_a_long_one_starts_next_step_under_the_threshold(l
     assert capped == free
 
 
+def test_short_prompts_go_before_the_long_prompts_chunk_which_keeps_a_block(loaded: LoadedModel) -> None:
+    """Threshold 32: a 10-token prompt arriving while a 200-token one runs is prefilled in the very
+    next step, the long chunk filling that step's prompt tokens up to the threshold (22), whether
+    the budget is 32 or 64; five arriving at once want 50, and the long prompt still takes one block
+    (4 tokens) of that step. Without the threshold, at budget 32, the short prompts wait for the
+    long one's last chunk; the outputs are the same either way."""
+
+    def run(
+        threshold: int, shorts: int, budget: int = 32
+    ) -> tuple[dict[str, list[int]], list[dict[str, int]]]:
+        config = EngineConfig(
+            block_size=4,
+            num_blocks=256,
+            max_num_batched_tokens=budget,
+            long_prefill_token_threshold=threshold,
+        )
+        engine = LLMEngine(loaded, config)
+        rng = random.Random(9)
+        seqs = [engine.add_request("long", random_prompt(rng, 200), GREEDY)]
+        engine.step()
+        seqs += [engine.add_request(f"s{i}", random_prompt(rng, 10), GREEDY) for i in range(shorts)]
+        steps = []
+        while engine.has_unfinished():
+            out = engine.schedule()
+            steps.append({i.seq.request_id: i.num_new_tokens for i in out.scheduled if i.num_new_tokens > 1})
+            assert out.num_tokens <= budget
+            engine.finish_step(out, engine.execute(out))
+        engine.pool.check_integrity()
+        return {s.request_id: s.output_token_ids for s in seqs}, steps
+
+    outputs, steps = run(32, 1)
+    assert steps[0] == {"s0": 10, "long": 22} and run(32, 1, budget=64)[1][0] == steps[0]
+    free_outputs, free_steps = run(0, 1)
+    assert free_steps[0] == {"long": 32} and next(i for i, s in enumerate(free_steps) if "s0" in s) == 5
+    assert outputs == free_outputs
+    outputs, steps = run(32, 5)
+    assert steps[0] == {"s0": 10, "s1": 10, "s2": 8, "long": 4}
+    long_chunks = [step.get("long", 0) for step in steps]
+    last = max(i for i, n in enumerate(long_chunks) if n)
+    assert min(long_chunks[:last]) >= 4 and sum(long_chunks) == 200 - 32  # every step until its last
+    assert outputs == run(0, 5)[0]
+
+
 def test_long_prompts_under_the_threshold_prefill_one_at_a_time(loaded: LoadedModel) -> None:
     """Two 100-token prompts and a 10-token one behind them, threshold 16 of a 64-token budget: no
     step carries chunks of two prompts with more than 16 tokens left, so the second long prompt
