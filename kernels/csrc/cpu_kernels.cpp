@@ -10,6 +10,7 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -120,20 +121,45 @@ inline v8 dots8(const float* q, const T* k, int64_t stride, int64_t n) {
                   quad_sums(pair_sums(a[4], a[5]), pair_sums(a[6], a[7])));
 }
 
-// acc[g] = acc[g] * rescale[g] + sum_t s[g][t] * v[t] for the G query heads of one kv head: each
-// chunk of a value row is loaded once for all G
+// acc[g] = acc[g] * rescale[g] + sum_t s[g][t] * v[t] for the G query heads of one kv head, over
+// CH chunks of eight lanes at `d`: each value chunk is loaded once for all G, and the G x CH
+// accumulators are independent (one FMA chain per chunk and head, not one per head over t), so they
+// stay in registers and the FMAs overlap
+template <int G, int CH, typename T>
+inline void accumulate_tile(const float* s, int64_t s_stride, const float* rescale, const T* v, int64_t v_row,
+                            int64_t n, int64_t head_dim, int64_t d, float* acc) {
+  v8 c[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < CH; ++i) c[g][i] = load8(acc + g * head_dim + d + 8 * i) * rescale[g];
+  for (int64_t t = 0; t < n; ++t) {
+    const T* vt = v + t * v_row + d;
+    for (int i = 0; i < CH; ++i) {
+      const v8 vd = load8(vt + 8 * i);
+      for (int g = 0; g < G; ++g) c[g][i] += s[g * s_stride + t] * vd;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < CH; ++i) store8(acc + g * head_dim + d + 8 * i, c[g][i]);
+}
+
+// The whole head, in tiles of 64 lanes for G <= 2 and 32 above (at most 16 accumulators), then any
+// rest 8 lanes at a time
 template <int G, typename T>
 inline void accumulate_values(const float* s, int64_t s_stride, const float* rescale, const T* v,
                               int64_t v_row, int64_t n, int64_t head_dim, float* acc) {
-  for (int64_t d = 0; d < head_dim; d += 8) {
-    v8 c[G];
-    for (int g = 0; g < G; ++g) c[g] = load8(acc + g * head_dim + d) * rescale[g];
-    for (int64_t t = 0; t < n; ++t) {
-      const v8 vd = load8(v + t * v_row + d);
-      for (int g = 0; g < G; ++g) c[g] += s[g * s_stride + t] * vd;
-    }
-    for (int g = 0; g < G; ++g) store8(acc + g * head_dim + d, c[g]);
-  }
+  constexpr int CH = G <= 2 ? 8 : 4;
+  int64_t d = 0;
+  for (; d + 8 * CH <= head_dim; d += 8 * CH)
+    accumulate_tile<G, CH>(s, s_stride, rescale, v, v_row, n, head_dim, d, acc);
+  for (; d < head_dim; d += 8) accumulate_tile<G, 1>(s, s_stride, rescale, v, v_row, n, head_dim, d, acc);
+}
+
+// rows [0, n) of `head_dim` values at `src` (row stride `src_row`) widened into `dst` (dense rows):
+// a bfloat16 key block is widened once per kv head, not once per query head of its group
+template <typename T>
+inline void widen_rows(const T* src, int64_t src_row, int64_t n, int64_t head_dim, float* dst) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t d = 0; d < head_dim; d += 8) store8(dst + t * head_dim + d, load8(src + t * src_row + d));
 }
 
 inline float max_of(const float* x, int64_t n) {
@@ -197,7 +223,8 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
   const int64_t k_block = k_cache.stride(0), k_row = k_cache.stride(1);
   const int64_t v_block = v_cache.stride(0), v_row = v_cache.stride(1);
   const float sc = static_cast<float>(scale);
-  const int64_t heads_per_pass = group % 4 == 0 ? 4 : group % 2 == 0 ? 2 : 1;  // share value rows
+  // query heads that share each value row loaded (a kv head's group, or a divisor of it)
+  const int64_t heads_per_pass = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
 
   // One task per sequence, so each K/V block is read whole, once; the `group` query heads of a kv
   // head share every row loaded. Each thread takes a contiguous run of sequences holding ~1/threads
@@ -211,6 +238,7 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
     };
     const int64_t padded = (block_size + 7) / 8 * 8;  // score rows in whole v8 lanes
     std::vector<float> qs(num_heads * head_dim), acc(num_heads * head_dim), scores(num_heads * padded);
+    std::vector<float> keys(std::is_same_v<T, float> ? 0 : block_size * head_dim);  // one kv head's block
     std::vector<float> row_max(num_heads), denom(num_heads), rescale(num_heads);
     // the blocks this thread reads, in order (across its sequences): while one block is read, the one
     // kPrefetchAhead later is prefetched, a slice per query head
@@ -238,13 +266,21 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
             prefetch_slice(vp + next * v_block, block_size * v_row, hq, num_heads);
           }
           const int64_t h = hq / group;
-          const T* kb = kp + block * k_block + h * head_dim;
+          const T* block_keys = kp + block * k_block + h * head_dim;
+          const float* kb;
+          int64_t kr;
+          if constexpr (std::is_same_v<T, float>) {
+            kb = block_keys, kr = k_row;
+          } else {
+            if (hq % group == 0) widen_rows(block_keys, k_row, n, head_dim, keys.data());
+            kb = keys.data(), kr = head_dim;
+          }
           const float* qh = qs.data() + hq * head_dim;
           float* s = scores.data() + hq * padded;
           int64_t t = 0;
-          for (; t + 8 <= n; t += 8) store8(s + t, dots8(qh, kb + t * k_row, k_row, head_dim));
-          for (; t + 4 <= n; t += 4) dots4(qh, kb + t * k_row, k_row, head_dim, s + t);
-          for (; t < n; ++t) s[t] = dot(qh, kb + t * k_row, head_dim);
+          for (; t + 8 <= n; t += 8) store8(s + t, dots8(qh, kb + t * kr, kr, head_dim));
+          for (; t + 4 <= n; t += 4) dots4(qh, kb + t * kr, kr, head_dim, s + t);
+          for (; t < n; ++t) s[t] = dot(qh, kb + t * kr, head_dim);
           // online softmax: rescale what was accumulated to this block's running max
           const float new_max = std::max(row_max[hq], max_of(s, n));
           // the running max settles early in a sequence: skip the exp while it holds
@@ -259,6 +295,7 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
           float* a = acc.data() + hq * head_dim;
           const float* r = &rescale[hq];
           if (heads_per_pass == 4) accumulate_values<4>(s, padded, r, vb, v_row, n, head_dim, a);
+          else if (heads_per_pass == 3) accumulate_values<3>(s, padded, r, vb, v_row, n, head_dim, a);
           else if (heads_per_pass == 2) accumulate_values<2>(s, padded, r, vb, v_row, n, head_dim, a);
           else accumulate_values<1>(s, padded, r, vb, v_row, n, head_dim, a);
         }

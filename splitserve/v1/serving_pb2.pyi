@@ -1525,7 +1525,8 @@ class WorkerLoad(_message.Message):
     """
     long_prefill_token_threshold: _builtins.int
     """--long-prefill-token-threshold (0: off): a prompt with more tokens left than this takes at most
-    this many a step, one such prompt at a time, and shorter prompts pass beside it.
+    this many a step, one such prompt at a time; shorter prompts go first and its chunk fills the
+    step to this many prompt tokens after them.
     """
     queued_long_tokens: _builtins.int
     """Of queued_tokens, those of prompts with more than long_prefill_token_threshold left (0 when off)."""

@@ -88,7 +88,7 @@ def test_prefill_triton_matches_reference(case: Case) -> None:
 
 
 @pytest.mark.usefixtures("force_cpp")
-@pytest.mark.parametrize("case", [*CASES, (16, 4, 2, 16), (12, 2, 8, 32)])
+@pytest.mark.parametrize("case", [*CASES, (16, 4, 2, 16), (12, 2, 8, 32), (5, 2, 3, 80)])
 def test_decode_cpp_matches_reference(case: Case) -> None:
     # long sequences (many blocks, a partial last block); queries as a strided view of a fused
     # projection; unused slots poisoned: the C++ kernel, like Triton, never computes with them (its
@@ -104,7 +104,7 @@ def test_decode_cpp_matches_reference(case: Case) -> None:
 
 
 @pytest.mark.usefixtures("force_cpp")
-@pytest.mark.parametrize("case", [CASES[0], CASES[3], (16, 3, 3, 64)])
+@pytest.mark.parametrize("case", [CASES[0], CASES[3], (16, 3, 3, 64), (5, 2, 3, 80)])
 def test_bfloat16_cpp_matches_float32_reference(case: Case) -> None:
     # a bfloat16 model's decode steps (16, 3, 3, 64: SmolLM2's heads), alone and as the decode rows
     # of a mixed batch beside a prompt chunk: float32 math, so one bfloat16 rounding of the output
