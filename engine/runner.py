@@ -51,7 +51,7 @@ class ModelRunner:
             device,
         )
         # build or load the C++ CPU kernels now (a first build takes ~25 s), not in the first step
-        kernels.dispatch.cpu_kernels(self.kv_cache, kernels.dispatch.ATTENTION_DTYPES)
+        kernels.dispatch.cpu_kernels(self.kv_cache)
 
     def prepare(self, out: SchedulerOutput) -> StepContext:
         """Flatten the scheduled chunks into the step's metadata (one host-to-device copy per field)."""

@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.dispatch import ATTENTION_DTYPES, cpu_kernels, use_triton
+from kernels.dispatch import cpu_kernels, use_triton
 
 # (q, k_cache, v_cache, block_tables, seq_lens, scale) -> out: one query token per sequence
 DecodeAttention = Callable[
@@ -51,7 +51,7 @@ def paged_decode_attention(
 
         cu_seqlens_q = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
         return paged_attention_triton(q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, 1)
-    cpp = cpu_kernels(q, ATTENTION_DTYPES)
+    cpp = cpu_kernels(q)
     if cpp is not None and k_cache.dtype == v_cache.dtype == q.dtype and q.shape[-1] % 8 == 0:
         return cpp.paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
     return paged_decode_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, scale)

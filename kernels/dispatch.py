@@ -43,12 +43,11 @@ def forced(backend: Backend) -> Iterator[None]:
         FORCED = previous
 
 
-FLOAT32: tuple[torch.dtype, ...] = (torch.float32,)
-# the C++ decode attention reads bfloat16 caches too (float32 math): a bfloat16 model's decode steps
-ATTENTION_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+# every C++ CPU kernel takes float32 and bfloat16 (float32 math; bfloat16 rounded where torch's ops round)
+CPU_KERNEL_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
 
 
-def cpu_kernels(t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = FLOAT32) -> ModuleType | None:
+def cpu_kernels(t: torch.Tensor, dtypes: tuple[torch.dtype, ...] = CPU_KERNEL_DTYPES) -> ModuleType | None:
     """The C++ CPU kernels (``kernels.cpu_ext``) when the operation on ``t`` should run them: a CPU
     tensor of one of ``dtypes`` (the kernel's), nothing forcing another backend."""
     if FORCED not in (None, "cpp") or t.device.type != "cpu" or t.dtype not in dtypes:

@@ -1,9 +1,10 @@
 """The decoder layer's elementwise steps, fused: residual add + RMSNorm, RMSNorm, SiLU-and-mul, rotary.
 
 Each function has a torch reference in Hugging Face's order of operations (what runs on CUDA and
-on CPU tensors other than float32) and a float32 CPU twin in ``kernels/csrc`` (``kernels.cpu_ext``)
-that makes one pass over memory where the reference runs five to eight torch ops. Every function
-returns new tensors; inputs are never written.
+on CPU tensors of other dtypes) and a float32 / bfloat16 CPU twin in ``kernels/csrc``
+(``kernels.cpu_ext``) that makes one pass over memory where the reference runs five to eight torch
+ops; in bfloat16 it rounds where the reference's ops round. Every function returns new tensors;
+inputs are never written.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from kernels.dispatch import cpu_kernels
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``weight * x / sqrt(mean(x**2, -1) + eps)`` over the last dim."""
-    if x.dim() == 2 and x.stride(1) == 1 and (cpp := cpu_kernels(x)) is not None:
+    if x.dim() == 2 and x.stride(1) == 1 and weight.dtype == x.dtype and (cpp := cpu_kernels(x)) is not None:
         return cpp.rms_norm(x, weight, eps)
     return rms_norm_ref(x, weight, eps)
 
@@ -25,7 +26,8 @@ def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(rms_norm(x + residual), x + residual)`` for ``[T, H]`` tensors."""
-    if x.stride(1) == 1 and residual.stride(1) == 1 and (cpp := cpu_kernels(x)) is not None:
+    same = weight.dtype == residual.dtype == x.dtype
+    if same and x.stride(1) == 1 and residual.stride(1) == 1 and (cpp := cpu_kernels(x)) is not None:
         normed, summed = cpp.add_rms_norm(x, residual, weight, eps)
         return normed, summed
     summed = residual + x
@@ -43,7 +45,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x`` ``[T, H, D]``, ``cos``/``sin`` ``[T, D]``."""
     dense_heads = x.stride(2) == 1 and x.stride(1) == x.shape[2]
-    if dense_heads and cos.dtype == torch.float32 and (cpp := cpu_kernels(x)) is not None:
+    if dense_heads and cos.dtype == sin.dtype == x.dtype and (cpp := cpu_kernels(x)) is not None:
         return cpp.apply_rotary(x, cos.contiguous(), sin.contiguous())
     return x * cos.unsqueeze(1) + _rotate_half(x) * sin.unsqueeze(1)
 

@@ -32,7 +32,7 @@ def write_kv_slots(
         from kernels.kv_write_triton import write_kv_slots_triton
 
         write_kv_slots_triton(key, value, k_cache, v_cache, slot_mapping)
-    elif (cpp := cpu_kernels(key)) is not None and k_cache.dtype == torch.float32:
+    elif (cpp := cpu_kernels(key)) is not None and k_cache.dtype == v_cache.dtype == key.dtype == value.dtype:
         cpp.write_kv_slots(key, value, k_cache, v_cache, slot_mapping)
     else:
         write_kv_slots_ref(key, value, k_cache, v_cache, slot_mapping)

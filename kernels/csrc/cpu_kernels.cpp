@@ -39,11 +39,33 @@ inline v8 load8(const at::BFloat16* p) {
   return v;
 }
 
+typedef int32_t i8 __attribute__((vector_size(32)));
+
+// eight floats rounded to bfloat16 precision (to nearest, ties to even; NaN to c10's quiet NaN), still
+// as floats: what a bfloat16 torch op stores
+inline v8 round_bf16(v8 x) {
+  u32x8 b;
+  __builtin_memcpy(&b, &x, sizeof(b));
+  u32x8 r = (b + (((b >> 16) & 1) + 0x7FFFu)) & 0xFFFF0000u;
+  const i8 nan = x != x;
+  r = nan ? u32x8{} + 0x7FC00000u : r;
+  v8 v;
+  __builtin_memcpy(&v, &r, sizeof(v));
+  return v;
+}
+
+// eight floats stored as bfloat16, rounded as above
+inline void store8(at::BFloat16* p, v8 v) {
+  u32x8 b;
+  const v8 r = round_bf16(v);
+  __builtin_memcpy(&b, &r, sizeof(b));
+  const u16x8 h = __builtin_convertvector(b >> 16, u16x8);
+  __builtin_memcpy(p, &h, sizeof(h));
+}
+
 inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
-
-typedef int32_t i8 __attribute__((vector_size(32)));
 
 // expf on eight lanes (Cephes' polynomial, ~2 ulp over the range softmax uses); lanes below
 // -87 give ~1e-38, not 0, which a softmax sum cannot tell apart.
@@ -329,53 +351,94 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   return out;
 }
 
+namespace {
+
+// float32 or bfloat16 (every tensor of one call the same), the two dtypes the kernels below take
+bool float_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+}
+
+// Run `body.template operator()<T>()` with T = float or at::BFloat16, after `t`'s dtype
+template <typename F>
+auto by_dtype(const torch::Tensor& t, F&& body) {
+  if (t.scalar_type() == torch::kFloat) return body(float{});
+  return body(at::BFloat16{});
+}
+
+// `x` as a value of T and back: identity for float32, bfloat16's round to nearest even otherwise.
+// The bfloat16 kernels round where torch's bfloat16 ops (Hugging Face's order of operations) round.
+template <typename T>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+inline v8 rounded(v8 x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return round_bf16(x);
+}
+
+}  // namespace
+
 // key/value [T, Hkv, D]; caches as above; slot_mapping [T] int64, -1 = skip. Semantics of
-// kernels.kv_write.write_kv_slots_ref.
+// kernels.kv_write.write_kv_slots_ref; float32 or bfloat16, caches of the keys' dtype.
 void write_kv_slots(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                     torch::Tensor slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == torch::kFloat && value.scalar_type() == torch::kFloat,
-              "write_kv_slots (cpu): float32 only");
-  check_caches(k_cache, v_cache, torch::kFloat, "write_kv_slots");
+  TORCH_CHECK(float_or_bf16(key) && value.scalar_type() == key.scalar_type(),
+              "write_kv_slots (cpu): float32 or bfloat16 keys and values of one dtype");
+  check_caches(k_cache, v_cache, key.scalar_type(), "write_kv_slots");
   // tokens may sit at any stride (views into the fused qkv output); each token's [Hkv, D] is dense
   if (!dense_heads(key)) key = key.contiguous();
   if (!dense_heads(value)) value = value.contiguous();
   slot_mapping = slot_mapping.to(torch::kLong).contiguous();
   const int64_t tokens = key.size(0), row = key.size(1) * key.size(2), block_size = k_cache.size(1);
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t slot = slots[t];
-    if (slot < 0) continue;
-    const int64_t block = slot / block_size, offset = slot % block_size;
-    std::copy_n(kp + t * key.stride(0), row, kc + block * k_cache.stride(0) + offset * k_cache.stride(1));
-    std::copy_n(vp + t * value.stride(0), row, vc + block * v_cache.stride(0) + offset * v_cache.stride(1));
-  }
+  by_dtype(key, [&](auto zero) {
+    using T = decltype(zero);
+    const T* kp = key.data_ptr<T>();
+    const T* vp = value.data_ptr<T>();
+    T* kc = k_cache.data_ptr<T>();
+    T* vc = v_cache.data_ptr<T>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      std::copy_n(kp + t * key.stride(0), row, kc + block * k_cache.stride(0) + offset * k_cache.stride(1));
+      std::copy_n(vp + t * value.stride(0), row, vc + block * v_cache.stride(0) + offset * v_cache.stride(1));
+    }
+  });
 }
 
 namespace {
 
-// rows x dense [rows, n] float32 checks shared by the elementwise kernels
+// rows x dense [rows, n] checks shared by the elementwise kernels
 void check_rows(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.dim() == 2 && t.stride(1) == 1, name,
-              " (cpu): float32 [rows, n] with dense rows");
+  TORCH_CHECK(float_or_bf16(t) && t.dim() == 2 && t.stride(1) == 1, name,
+              " (cpu): float32 or bfloat16 [rows, n] with dense rows");
+}
+
+void check_weight(const torch::Tensor& weight, const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
+              name, " (cpu): a dense weight of the input's width and dtype");
 }
 
 // Rows of `width` floats per parallel task: a decode batch's few rows run on the calling thread,
 // where waking the pool would cost more than the work.
 inline int64_t rows_per_task(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 16) / width); }
 
-// weight * (x / sqrt(mean(x^2) + eps)) for one row, into out
-inline void rms_row(const float* x, const float* weight, int64_t n, double eps, float* out) {
+// weight * (x / sqrt(mean(x^2) + eps)) for one row, into out; the sum in float32, and for bfloat16
+// the normalized row rounded before the weight multiplies it (Hugging Face's RMSNorm)
+template <typename T>
+inline void rms_row(const T* x, const T* weight, int64_t n, double eps, T* out) {
   v8 acc = {};
   int64_t d = 0;
   for (; d + 8 <= n; d += 8) acc += load8(x + d) * load8(x + d);
   float sum = hsum8(acc);
-  for (; d < n; ++d) sum += x[d] * x[d];
+  for (; d < n; ++d) sum += static_cast<float>(x[d]) * static_cast<float>(x[d]);
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
-  for (d = 0; d < n; ++d) out[d] = weight[d] * (x[d] * inv);
+  for (d = 0; d + 8 <= n; d += 8) store8(out + d, load8(weight + d) * rounded<T>(load8(x + d) * inv));
+  for (; d < n; ++d)
+    out[d] = static_cast<T>(static_cast<float>(weight[d]) * rounded<T>(static_cast<float>(x[d]) * inv));
 }
 
 }  // namespace
@@ -384,19 +447,25 @@ inline void rms_row(const float* x, const float* weight, int64_t n, double eps, 
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   check_rows(x, "add_rms_norm");
   check_rows(residual, "add_rms_norm");
-  TORCH_CHECK(x.sizes() == residual.sizes() && weight.numel() == x.size(1) && weight.is_contiguous());
+  TORCH_CHECK(x.sizes() == residual.sizes() && residual.scalar_type() == x.scalar_type());
+  check_weight(weight, x, "add_rms_norm");
   auto summed = torch::empty({x.size(0), x.size(1)}, x.options());
   auto normed = torch::empty_like(summed);
   const int64_t rows = x.size(0), n = x.size(1);
-  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float *sp = summed.data_ptr<float>(), *np = normed.data_ptr<float>();
-  at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      float* srow = sp + r * n;
-      const float *xrow = xp + r * x.stride(0), *rrow = rp + r * residual.stride(0);
-      for (int64_t d = 0; d < n; ++d) srow[d] = rrow[d] + xrow[d];
-      rms_row(srow, wp, n, eps, np + r * n);
-    }
+  by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T *xp = x.data_ptr<T>(), *rp = residual.data_ptr<T>(), *wp = weight.data_ptr<T>();
+    T *sp = summed.data_ptr<T>(), *np = normed.data_ptr<T>();
+    at::parallel_for(0, rows, rows_per_task(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        T* srow = sp + r * n;
+        const T *xrow = xp + r * x.stride(0), *rrow = rp + r * residual.stride(0);
+        int64_t d = 0;
+        for (; d + 8 <= n; d += 8) store8(srow + d, load8(rrow + d) + load8(xrow + d));
+        for (; d < n; ++d) srow[d] = static_cast<T>(static_cast<float>(rrow[d]) + static_cast<float>(xrow[d]));
+        rms_row(srow, wp, n, eps, np + r * n);
+      }
+    });
   });
   return {normed, summed};
 }
@@ -404,62 +473,86 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
 // rms_norm(x) * weight as a new [T, H] tensor
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   check_rows(x, "rms_norm");
-  TORCH_CHECK(weight.numel() == x.size(1) && weight.is_contiguous());
+  check_weight(weight, x, "rms_norm");
   auto out = torch::empty({x.size(0), x.size(1)}, x.options());
   const int64_t n = x.size(1);
-  const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, x.size(0), rows_per_task(n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) rms_row(xp + r * x.stride(0), wp, n, eps, op + r * n);
+  by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T *xp = x.data_ptr<T>(), *wp = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, x.size(0), rows_per_task(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) rms_row(xp + r * x.stride(0), wp, n, eps, op + r * n);
+    });
   });
   return out;
 }
 
-// silu(gate) * up for gate_up [T, 2I] (gate first), as a new [T, I] tensor
+// silu(gate) * up for gate_up [T, 2I] (gate first), as a new [T, I] tensor; for bfloat16 silu's
+// result is rounded before the product (torch's two ops)
 torch::Tensor silu_and_mul(torch::Tensor gate_up) {
   check_rows(gate_up, "silu_and_mul");
   const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
   auto out = torch::empty({rows, n}, gate_up.options());
-  const float* gp = gate_up.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const v8 one = {1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f, 1.f};
-  at::parallel_for(0, rows, rows_per_task(2 * n), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float *g = gp + r * gate_up.stride(0), *u = g + n;
-      float* o = op + r * n;
-      int64_t d = 0;
-      for (; d + 8 <= n; d += 8) {
-        const v8 gv = load8(g + d);
-        store8(o + d, gv / (one + exp8(-gv)) * load8(u + d));
+  by_dtype(gate_up, [&](auto zero) {
+    using T = decltype(zero);
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, rows_per_task(2 * n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T *g = gp + r * gate_up.stride(0), *u = g + n;
+        T* o = op + r * n;
+        int64_t d = 0;
+        for (; d + 8 <= n; d += 8) {
+          const v8 gv = load8(g + d);
+          store8(o + d, rounded<T>(gv / (one + exp8(-gv))) * load8(u + d));
+        }
+        for (; d < n; ++d) {
+          const float gd = static_cast<float>(g[d]);
+          o[d] = static_cast<T>(rounded<T>(gd / (1.f + std::exp(-gd))) * static_cast<float>(u[d]));
+        }
       }
-      for (; d < n; ++d) o[d] = g[d] / (1.f + std::exp(-g[d])) * u[d];
-    }
+    });
   });
   return out;
 }
 
-// x * cos + rotate_half(x) * sin for x [T, H, D] with dense heads, cos/sin [T, D]; a new tensor
+// x * cos + rotate_half(x) * sin for x [T, H, D] with dense heads, cos/sin [T, D] of x's dtype; a
+// new tensor. For bfloat16 each product is rounded, then their sum (torch's three ops).
 torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 3 && dense_heads(x),
-              "apply_rotary (cpu): float32 [T, H, D] with dense heads");
+  TORCH_CHECK(float_or_bf16(x) && x.dim() == 3 && dense_heads(x),
+              "apply_rotary (cpu): float32 or bfloat16 [T, H, D] with dense heads");
   TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == x.size(2));
+  TORCH_CHECK(cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "apply_rotary (cpu): cos and sin of x's dtype");
   auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
   const int64_t tokens = x.size(0), heads = x.size(1), half = x.size(2) / 2, dim = x.size(2);
-  const float* xp = x.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const float *c = cp + t * dim, *s = sp + t * dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* in = xp + t * x.stride(0) + h * dim;
-        float* o = op + (t * heads + h) * dim;
-        for (int64_t i = 0; i < half; ++i) {
-          o[i] = in[i] * c[i] - in[i + half] * s[i];
-          o[i + half] = in[i + half] * c[i + half] + in[i] * s[i + half];
+  by_dtype(x, [&](auto zero) {
+    using T = decltype(zero);
+    const T* xp = x.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const T *cp = cos.data_ptr<T>(), *sp = sin.data_ptr<T>();
+    const auto f = [](T v) { return static_cast<float>(v); };
+    at::parallel_for(0, tokens, rows_per_task(heads * dim), [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T *c = cp + t * dim, *s = sp + t * dim;
+        for (int64_t h = 0; h < heads; ++h) {
+          const T* in = xp + t * x.stride(0) + h * dim;
+          T* o = op + (t * heads + h) * dim;
+          int64_t i = 0;
+          for (; i + 8 <= half; i += 8) {
+            const v8 lo = load8(in + i), hi = load8(in + i + half);
+            store8(o + i, rounded<T>(lo * load8(c + i)) + rounded<T>(-hi * load8(s + i)));
+            store8(o + i + half, rounded<T>(hi * load8(c + i + half)) + rounded<T>(lo * load8(s + i + half)));
+          }
+          for (; i < half; ++i) {
+            o[i] = static_cast<T>(rounded<T>(f(in[i]) * f(c[i])) + rounded<T>(-f(in[i + half]) * f(s[i])));
+            o[i + half] =
+                static_cast<T>(rounded<T>(f(in[i + half]) * f(c[i + half])) + rounded<T>(f(in[i]) * f(s[i + half])));
+          }
         }
       }
-    }
+    });
   });
   return out;
 }
@@ -472,10 +565,10 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_digest") = SPLITSERVE_STR(SPLITSERVE_SOURCE_DIGEST);
-  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, float32, CPU");
-  m.def("rms_norm", &rms_norm, "RMSNorm, float32, CPU");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32, CPU");
-  m.def("apply_rotary", &apply_rotary, "rotary embedding, float32, CPU");
+  m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, float32 or bfloat16, CPU");
+  m.def("rms_norm", &rms_norm, "RMSNorm, float32 or bfloat16, CPU");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32 or bfloat16, CPU");
+  m.def("apply_rotary", &apply_rotary, "rotary embedding, float32 or bfloat16, CPU");
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32 or bfloat16, CPU");
-  m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32, CPU");
+  m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32 or bfloat16, CPU");
 }

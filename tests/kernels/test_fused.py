@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import kernels
+from kernels.dispatch import cpu_kernels
 from kernels.fused import _rotate_half, rms_norm_ref
 from tests.kernels.paged import rel_error
 
@@ -67,3 +68,29 @@ def test_cpu_kernels_can_be_switched_off() -> None:
     code = "import torch, kernels.dispatch as d, sys; sys.exit(d.cpu_kernels(torch.zeros(1)) is not None)"
     env = os.environ | {"SPLITSERVE_CPU_KERNELS": "0"}
     assert subprocess.run([sys.executable, "-c", code], env=env, check=False).returncode == 0
+
+
+@pytest.mark.usefixtures("force_cpp")
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_bfloat16_kernels_round_where_the_reference_rounds(rows: int) -> None:
+    """A bfloat16 model's elementwise steps (SmolLM2's widths) on the C++ kernels equal the torch
+    references bit for bit: float32 math, rounded to bfloat16 where each torch op rounds (the
+    residual sum; the normalized row before the weight; silu before the product; each rotary
+    product, then their sum)."""
+    bf16 = torch.bfloat16
+    x, residual = (3 * _randn(rows, 576, seed=20 + rows)).to(bf16), _randn(rows, 576, seed=21).to(bf16)
+    weight = (_randn(576, seed=22).abs() + 0.5).to(bf16)
+    cpp = cpu_kernels(x)
+    assert cpp is not None  # the model's calls take it (kernels.fused dispatches bfloat16 here)
+    assert torch.equal(cpp.rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+    normed, summed = cpp.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(summed, residual + x) and torch.equal(normed, rms_norm_ref(residual + x, weight, 1e-5))
+    gate_up = (2 * _randn(rows, 2 * 1536, seed=23)).to(bf16)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(cpp.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    qkv = _randn(rows, 12 + 3, 64, seed=24).to(bf16)
+    q = qkv[:, :12].contiguous()
+    cos, sin = _randn(rows, 64, seed=25).to(bf16), _randn(rows, 64, seed=26).to(bf16)
+    expected = q * cos[:, None] + _rotate_half(q) * sin[:, None]
+    assert torch.equal(cpp.apply_rotary(q, cos, sin), expected)
+    assert torch.equal(kernels.apply_rotary(qkv[:, :12], cos, sin), expected)  # a strided view

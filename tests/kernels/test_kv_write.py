@@ -54,3 +54,21 @@ def test_rejects_mismatched_shapes() -> None:
         write_kv_slots(key, key, kv_cache[:, 0, 0], kv_cache[:, 0, 1], torch.zeros(3, dtype=torch.int64))
     with pytest.raises(ValueError, match="does not fit"):
         write_kv_slots(key[:, :1], key[:, :1], kv_cache[:, 0, 0], kv_cache[:, 0, 1], torch.zeros(2))
+
+
+@pytest.mark.usefixtures("force_cpp")
+def test_bfloat16_keys_are_copied_into_bfloat16_caches_bit_exact() -> None:
+    """The C++ path takes bfloat16 keys and caches too (a bfloat16 model's every step): a copy."""
+    g = torch.Generator().manual_seed(3)
+    kv_cache = torch.randn(4, NUM_LAYERS, 2, 16, 3, 64, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(5, 3, 3, 64, generator=g).to(torch.bfloat16)
+    key, value = qkv[:, 1], qkv[:, 2]
+    slots = [0, 17, -1, 63, 40]
+    expected = kv_cache.clone()
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected[slot // 16, LAYER, 0, slot % 16] = key[t]
+            expected[slot // 16, LAYER, 1, slot % 16] = value[t]
+    mapping = torch.tensor(slots, dtype=torch.int64)
+    write_kv_slots(key, value, kv_cache[:, LAYER, 0], kv_cache[:, LAYER, 1], mapping)
+    assert torch.equal(kv_cache, expected)
