@@ -8,8 +8,9 @@ torch's extension builder into torch's extension cache (about 25 s with g++ on 2
 C++ compiler are needed), logging that it does. Where that fails too, or ``SPLITSERVE_CPU_KERNELS=0``
 is set, ``load()`` returns ``None`` after one warning and every caller runs the torch reference.
 
-Kernels here (float32 only), each the CPU twin of a Triton kernel with its torch reference's
-semantics: ``paged_decode_attention`` and ``write_kv_slots``.
+Kernels here (float32 and bfloat16), each the CPU twin of a Triton kernel or a torch reference with
+its semantics: ``paged_decode_attention``, ``write_kv_slots`` and the elementwise steps of
+``kernels.fused``.
 """
 
 from __future__ import annotations
