@@ -227,6 +227,35 @@ static void check_caches(const torch::Tensor& k_cache, const torch::Tensor& v_ca
               name, " (cpu): each cache row [Hkv, D] must be dense");
 }
 
+namespace {
+
+// float32 or bfloat16 (every tensor of one call the same), the two dtypes the kernels below take
+bool float_or_bf16(const torch::Tensor& t) {
+  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
+}
+
+// `body(T{})` with T = float for a float32 `t`, at::BFloat16 otherwise (callers check the dtype first)
+template <typename F>
+auto by_dtype(const torch::Tensor& t, F&& body) {
+  if (t.scalar_type() == torch::kFloat) return body(float{});
+  return body(at::BFloat16{});
+}
+
+// `x` as a value of T and back: identity for float32, bfloat16's round to nearest even otherwise.
+// The bfloat16 kernels round where torch's bfloat16 ops (Hugging Face's order of operations) round.
+template <typename T>
+inline float rounded(float x) {
+  return static_cast<float>(static_cast<T>(x));
+}
+
+template <typename T>
+inline v8 rounded(v8 x) {
+  if constexpr (std::is_same_v<T, float>) return x;
+  else return round_bf16(x);
+}
+
+}  // namespace
+
 // T: the element type of q, the caches and the output (float or at::BFloat16); scores, softmax and
 // the accumulators are float32 either way, as in the torch reference.
 template <typename T>
@@ -336,49 +365,18 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                      torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16,
-              "paged_decode_attention (cpu): float32 or bfloat16 only");
+  TORCH_CHECK(float_or_bf16(q), "paged_decode_attention (cpu): float32 or bfloat16 only");
   check_caches(k_cache, v_cache, dtype, "paged_decode_attention");
   TORCH_CHECK(q.size(2) % 8 == 0, "paged_decode_attention (cpu): head_dim must be a multiple of 8");
   if (!dense_heads(q)) q = q.contiguous();  // any token stride is fine
   block_tables = block_tables.to(torch::kInt).contiguous();
   seq_lens = seq_lens.to(torch::kInt).contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  if (dtype == torch::kFloat)
-    decode_attention<float>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
-  else
-    decode_attention<at::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  by_dtype(q, [&](auto zero) {
+    decode_attention<decltype(zero)>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+  });
   return out;
 }
-
-namespace {
-
-// float32 or bfloat16 (every tensor of one call the same), the two dtypes the kernels below take
-bool float_or_bf16(const torch::Tensor& t) {
-  return t.scalar_type() == torch::kFloat || t.scalar_type() == torch::kBFloat16;
-}
-
-// Run `body.template operator()<T>()` with T = float or at::BFloat16, after `t`'s dtype
-template <typename F>
-auto by_dtype(const torch::Tensor& t, F&& body) {
-  if (t.scalar_type() == torch::kFloat) return body(float{});
-  return body(at::BFloat16{});
-}
-
-// `x` as a value of T and back: identity for float32, bfloat16's round to nearest even otherwise.
-// The bfloat16 kernels round where torch's bfloat16 ops (Hugging Face's order of operations) round.
-template <typename T>
-inline float rounded(float x) {
-  return static_cast<float>(static_cast<T>(x));
-}
-
-template <typename T>
-inline v8 rounded(v8 x) {
-  if constexpr (std::is_same_v<T, float>) return x;
-  else return round_bf16(x);
-}
-
-}  // namespace
 
 // key/value [T, Hkv, D]; caches as above; slot_mapping [T] int64, -1 = skip. Semantics of
 // kernels.kv_write.write_kv_slots_ref; float32 or bfloat16, caches of the keys' dtype.
