@@ -1,17 +1,17 @@
 """Continuous-batching scheduler with chunked prefill under one token budget.
 
-Every running sequence needs `num_tokens - num_computed_tokens` tokens computed before its next
-sample: a prompt (possibly in chunks), a re-prefill after preemption, or the single newest token in
-decode. One step serves running sequences first, then admits waiting ones while the token budget and
-the KV pool allow. Running decodes (one token each) take the budget before running prompt chunks
-(each group oldest first), so a long prompt is prefilled in chunks that fit beside the decodes
-(Sarathi-Serve's stall-free batching): a decode never waits for a prompt, and a step computes at most
-the budget. With `prefill_tokens_while_decoding` a step that carries decodes schedules at most that
-many prompt tokens, so a prefill beside running requests stretches their step by a bounded amount.
-Under `long_prefill_token_threshold` short prompts go before the one long prompt's chunk, which
-fills the step up to the threshold after them (`_LongPromptSlot`).
-When the pool is short, the newest running sequence not yet scheduled this step is preempted: its
-blocks are freed and it returns to the front of the queue to be re-prefilled.
+Every running sequence needs its `num_uncomputed_tokens` computed before its next sample: a prompt
+(possibly in chunks), a re-prefill after preemption, or the single newest token in decode. One step
+serves running sequences first, then admits waiting ones while the token budget and the KV pool
+allow. Running decodes (one token each) take the budget before running prompt chunks (each group
+oldest first), so a long prompt is prefilled in chunks that fit beside the decodes (Sarathi-Serve's
+stall-free batching): a decode never waits for a prompt, and a step computes at most the budget.
+With `prefill_tokens_while_decoding` a step that carries decodes schedules at most that many prompt
+tokens, so a prefill beside running requests stretches their step by a bounded amount. Under
+`long_prefill_token_threshold` short prompts go before the one long prompt's chunk, which fills the
+step up to the threshold after them (`_LongPromptSlot`). When the pool is short, the newest running
+sequence not yet scheduled this step is preempted: its blocks are freed and it returns to the front
+of the queue to be re-prefilled.
 
 A sequence whose KV another worker computes takes a third way in: `reserve` (all or nothing) holds
 blocks for it, `join` puts it in the running list once the KV has landed, with its first token as
@@ -49,11 +49,11 @@ class _LongPromptSlot:
 
     @classmethod
     def for_step(cls, threshold: int, floor: int, waiting: Iterable[Sequence]) -> _LongPromptSlot:
-        left = {s: s.num_tokens - s.num_computed_tokens for s in waiting} if threshold else {}
+        left = {s: s.num_uncomputed_tokens for s in waiting} if threshold else {}
         return cls(threshold, floor, {s: n for s, n in left.items() if not long_prompt(threshold, n)})
 
     def _is_long(self, seq: Sequence) -> bool:
-        return long_prompt(self.threshold, seq.num_tokens - seq.num_computed_tokens)
+        return long_prompt(self.threshold, seq.num_uncomputed_tokens)
 
     def admits(self, seq: Sequence) -> bool:
         if not self._is_long(seq):
@@ -79,7 +79,7 @@ class _LongPromptSlot:
 
     def order(self, seq: Sequence) -> int:
         """Running work in step order: decodes, then short prompt chunks, then the long prompt's."""
-        left = seq.num_tokens - seq.num_computed_tokens
+        left = seq.num_uncomputed_tokens
         return 0 if left == 1 else 2 if long_prompt(self.threshold, left) else 1
 
 
@@ -160,7 +160,7 @@ class Scheduler:
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         taken: set[Sequence] = set()
-        decodes = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
+        decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         cap = self.config.prefill_tokens_while_decoding
         prefill = prefill_budget(budget, cap, decodes)  # prompt tokens left this step
         threshold = self.config.long_prefill_token_threshold
@@ -177,7 +177,7 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted below for an earlier sequence's slots
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget)
             if n > 1:  # a prompt chunk
                 if not long_slot.admits(seq):
                     continue
@@ -204,7 +204,7 @@ class Scheduler:
                 continue  # a shorter prompt behind it may still start
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget, long_slot.share(seq, prefill), chunk)
+            n = min(seq.num_uncomputed_tokens, budget, long_slot.share(seq, prefill), chunk)
             if not self.kv.allocate_slots(seq, n):
                 self._reset(seq)
                 break

@@ -28,8 +28,8 @@ class Sequence:
     """Created by whoever admits the request to an engine; changed only by that engine's scheduler.
 
     `token_ids` is prompt + output so far. `num_computed_tokens` counts tokens whose KV is in
-    `block_table`'s blocks; the scheduler computes `num_tokens - num_computed_tokens` more before the
-    next sample. A preempted sequence drops its blocks and resets `num_computed_tokens` to 0, so it
+    `block_table`'s blocks; the scheduler computes `num_uncomputed_tokens` more before the next
+    sample. A preempted sequence drops its blocks and resets `num_computed_tokens` to 0, so it
     resumes by re-prefilling prompt + emitted tokens. `block_table` is append-only while held.
     """
 
@@ -56,6 +56,11 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose KV is not yet computed: the rest of the prompt, or 1 while decoding."""
+        return len(self.token_ids) - self.num_computed_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -260,8 +260,8 @@ class WorkerRole:
 
     def load(self) -> serving_pb2.WorkerLoad:
         sched, config = self.engine.scheduler, self.engine.config
-        prompt_left = [s.num_tokens - s.num_computed_tokens for s in sched.waiting]
-        prefilling = (s.num_tokens - s.num_computed_tokens for s in sched.running)
+        prompt_left = [s.num_uncomputed_tokens for s in sched.waiting]
+        prefilling = (s.num_uncomputed_tokens for s in sched.running)
         prompt_left += [n for n in prefilling if n > 1]  # a decode's one token is not prefill work
         threshold = config.long_prefill_token_threshold
         return serving_pb2.WorkerLoad(

@@ -13,6 +13,8 @@ from splitserve.v1 import serving_pb2
 
 # The server's per-request Timings fields (serving.proto) that the breakdown reports.
 TIMING_FIELDS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_token_ms", "decode_ms", "total_ms")
+# the router's estimates behind its path (Timings.routing), per request in the study's JSON
+ROUTING_FIELDS = ("estimated_ttft_ms", "remote_ttft_ms", "local_ttft_ms", "transfer_ms", "prefill_queue_ms")
 
 
 def path_name(path: serving_pb2.PrefillPath.ValueType) -> str:
@@ -34,6 +36,7 @@ class RequestTrace:
     token_times: list[float] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
     path: str = ""  # where the router had it prefilled: remote, local or colocated ("" unknown)
+    routing: dict[str, float] = field(default_factory=dict)  # ROUTING_FIELDS of Timings.routing
     resumes: int = 0  # Usage.preemptions: runs after the first (their queue and prefill are summed in)
     error: str = ""
 
@@ -87,6 +90,7 @@ async def run_load(
                     t = event.finished.timings
                     trace.timings = {name: float(getattr(t, name)) for name in TIMING_FIELDS}
                     trace.path = path_name(t.routing.path)
+                    trace.routing = {name: float(getattr(t.routing, name)) for name in ROUTING_FIELDS}
                     trace.resumes = event.finished.usage.preemptions
         except grpc.aio.AioRpcError as exc:
             trace.error = f"{exc.code().name}: {exc.details()}"

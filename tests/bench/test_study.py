@@ -47,6 +47,11 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
             assert b["first_token_ms"] <= b["total_ms"]
             assert (b["kv_transfer_ms"] > 0) == (row["mode"] == "disaggregated")
             assert req["path"] == {"colocated": "colocated", "disaggregated": "remote"}[row["mode"]]
+            routing = req["routing_ms"]  # the router's estimates behind the path
+            assert routing["estimated_ttft_ms"] > 0 and routing["remote_ttft_ms"] >= 0
+            if row["mode"] == "disaggregated":
+                assert routing["estimated_ttft_ms"] == pytest.approx(routing["remote_ttft_ms"])
+            assert req["first_gap_ms"] > 0  # 8 or 4 tokens each: a first gap
     assert {v["name"]: v["goodput"] in (0.0, 4.0) for v in study["variants"]} == {
         "colocated": True,
         "disaggregated": True,

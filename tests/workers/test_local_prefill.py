@@ -37,7 +37,7 @@ def test_running_decodes_take_the_step_budget_before_a_prompt_chunk(loaded: Load
         out = engine.schedule()
         chunks = {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
         assert chunks["d0"] == chunks["d1"] == 1 and out.num_tokens <= 16
-        assert chunks["long"] == min(14, long.num_tokens - long.num_computed_tokens)
+        assert chunks["long"] == min(14, long.num_uncomputed_tokens)
         engine.finish_step(out, engine.execute(out))
     while engine.has_unfinished():
         engine.step()
@@ -176,7 +176,7 @@ def test_long_prompts_under_the_threshold_prefill_one_at_a_time(loaded: LoadedMo
     step = 0
     while engine.has_unfinished():
         out = engine.schedule()
-        long_chunks = [i for i in out.scheduled if i.seq.num_tokens - i.seq.num_computed_tokens > 16]
+        long_chunks = [i for i in out.scheduled if i.seq.num_uncomputed_tokens > 16]
         assert len(long_chunks) <= 1, [(i.seq.request_id, i.num_new_tokens) for i in out.scheduled]
         engine.finish_step(out, engine.execute(out))
         step += 1
