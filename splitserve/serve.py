@@ -5,33 +5,14 @@ from __future__ import annotations
 import argparse
 import signal
 import threading
-from collections.abc import Callable
 
 from engine.config import DTYPES
 from engine.model_dir import MODEL_HELP
 from engine.worker.settings import TRANSFER_BACKENDS, field_defaults
+from splitserve.argtypes import checked, non_negative
 from splitserve.cluster import MODES, ClusterSpec
 from splitserve.launch import choose_log_dir, say, started
 from splitserve.placement import parse_pins, parse_threads
-
-
-def _checked(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """An argparse `type` from a parser raising ValueError: its message becomes the usage error."""
-
-    def convert(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
-
-
-def _non_negative(text: str) -> int:
-    n = int(text)
-    if n < 0:
-        raise ValueError(f"{n} is negative (0: off)")
-    return n
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +28,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--long-prefill-token-threshold",
-        type=_checked(_non_negative),
+        type=non_negative,
         default=spec["long_prefill_token_threshold"],
         help="every worker's cap on the tokens one prompt takes of a step, so prompts behind a long "
         "one start next step (0: off)",
@@ -66,13 +47,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--pin",
-        type=_checked(parse_pins),
+        type=checked(parse_pins),
         default={},
         help="pin each role's processes to CPUs, e.g. prefill=0,decode=1 (sets: 0+2, 0-3)",
     )
     parser.add_argument(
         "--threads",
-        type=_checked(parse_threads),
+        type=checked(parse_threads),
         default={},
         help="torch threads per worker: N for every role, or e.g. prefill=1,decode=1",
     )

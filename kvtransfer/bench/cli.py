@@ -21,21 +21,16 @@ import json
 import shlex
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from kvtransfer.bench import agent, get_loops, model_sweep, netns, nixl_sweep, report, runner
 from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
 from kvtransfer.bench.busy import BusyLoops
 from kvtransfer.bench.report import parse_size, parse_tokens
+from splitserve.argtypes import csv_of
 
 DEFAULT_SIZES = "64KiB,1MiB,4MiB,16MiB,64MiB"
-T = TypeVar("T")
-
-
-def _csv(convert: Callable[[str], T]) -> Callable[[str], list[T]]:
-    return lambda text: [convert(x) for x in text.split(",") if x]
+SIZES = csv_of(parse_size, "a size (64KiB, 4MiB, 1000)", lambda n: n > 0)
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,14 +41,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     run = sub.add_parser("run", help="run a benchmark and print a table")
     run.add_argument(
         "--backend",
-        type=_csv(str),
+        type=csv_of(str, "a backend name"),
         default=["ucx", "tcp"],
         help="ucx, ucx-stock (UCXX defaults), ucx-get (one-sided gets, raw mode), tcp, nixl (our NIXL "
         "backend; nixl-tensor, nixl-nothread: its per-message registration and no-progress-thread "
         "variants), nixl-raw (NIXL driven as nixlbench does, the peer row); the nixl ones need NIXL",
     )
-    run.add_argument("--sizes", type=_csv(parse_size), default=_csv(parse_size)(DEFAULT_SIZES))
-    run.add_argument("--depth", type=_csv(int), default=[1], help="messages in flight (a sweep)")
+    run.add_argument("--sizes", type=SIZES, default=SIZES(DEFAULT_SIZES))
+    run.add_argument(
+        "--depth",
+        type=csv_of(int, "a depth >= 1", lambda d: d >= 1),
+        default=[1],
+        help="messages in flight (a sweep)",
+    )
     run.add_argument(
         "--duration", type=float, default=2.0, help="seconds per measured run (after a warm-up run)"
     )
@@ -64,7 +64,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--peer", default=None, metavar="tcp://HOST:PORT", help="control endpoint of `kvbench serve`"
     )
     run.add_argument("--model-shape", default=None, help="a name from engine.shapes.SHAPES")
-    run.add_argument("--tokens", type=_csv(parse_tokens), default=[128, 1024, 4096, 32768])
+    run.add_argument(
+        "--tokens",
+        type=csv_of(parse_tokens, "a token count (128, 4k)", lambda n: n > 0),
+        default=[128, 1024, 4096, 32768],
+    )
     run.add_argument("--block-size", type=int, default=16)
     run.add_argument(
         "--chunk-tokens",
@@ -74,7 +78,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     run.add_argument(
         "--raw-sizes",
-        type=_csv(parse_size),
+        type=SIZES,
         default=[],
         help="--model-shape: also measure raw rows of these sizes in the same run; model rows get `vs raw`",
     )
@@ -98,7 +102,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     run.add_argument(
         "--nixl-variants",
-        type=_csv(str),
+        type=csv_of(str, "a NIXL variant"),
         default=["read", "write", "read+thread", "write+thread"],
         help="NIXL variants the nixl row takes the best of (+thread: NIXL's progress thread on)",
     )

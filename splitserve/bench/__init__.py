@@ -21,59 +21,15 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 from coordinator.routing_policy import TPOT_GUARDS
+from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
 from splitserve.bench.study import CONTROL_PLANES, StudyPlan, run_study, variants
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
 from splitserve.cluster import MODES
 from splitserve.serve import add_cluster_arguments, cluster_spec
-
-T = TypeVar("T")
-
-
-def _csv(
-    convert: Callable[[str], T], what: str, check: Callable[[T], bool] = lambda _: True
-) -> Callable[[str], list[T]]:
-    """An argparse `type` for a comma-separated list; a bad entry is a usage error naming it."""
-
-    def parse(text: str) -> list[T]:
-        out = []
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            try:
-                value = convert(part)
-            except ValueError:
-                value = None
-            if value is None or not check(value):
-                raise argparse.ArgumentTypeError(f"{part!r} is not {what}")
-            out.append(value)
-        if not out:
-            raise argparse.ArgumentTypeError(f"want at least one {what}")
-        return out
-
-    return parse
-
-
-def _mode(text: str) -> str:
-    if text not in MODES:
-        raise ValueError(text)
-    return text
-
-
-def _control_plane(text: str) -> str:
-    if text not in CONTROL_PLANES:
-        raise ValueError(text)
-    return text
-
-
-def _mix(text: str) -> object:
-    try:
-        return parse_mix(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,40 +38,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     a(
         "--modes",
-        type=_csv(_mode, f"a mode ({', '.join(MODES)})"),
+        type=csv_of(str, f"a mode ({', '.join(MODES)})", lambda m: m in MODES),
         default=None,
         help=f"comma-separated modes, each on its own fresh cluster (default: --mode); of {', '.join(MODES)}",
     )
     a(
         "--prefill-chunk-budgets",
-        type=_csv(int, "a positive token count", lambda n: n > 0),
+        type=csv_of(int, "a positive token count", lambda n: n > 0),
         default=[],
         help="colocated only: one variant per per-step token budget (e.g. 128,256,512); the best is marked",
     )
     a(
         "--control-planes",
-        type=_csv(_control_plane, f"a control plane ({', '.join(CONTROL_PLANES)})"),
+        type=csv_of(str, f"a control plane ({', '.join(CONTROL_PLANES)})", lambda c: c in CONTROL_PLANES),
         default=None,
         help="curve,plain: each variant with CurveZMQ and with --insecure-control-plane (its cost, side "
         "by side; default: as --insecure-control-plane says)",
     )
     a(
         "--rounds",
-        type=int,
+        type=positive,
         default=1,
         help="run the variants this many times, every other round in reverse order (A B B A ...)",
     )
     a(
         "--rates",
-        type=_csv(float, "a rate (req/s, >= 0)", lambda r: r >= 0),
+        type=csv_of(float, "a rate (req/s, >= 0)", lambda r: r >= 0),
         default=[1.0, 2.0, 4.0],
         help="comma-separated Poisson request rates (req/s); 0 = all at once",
     )
-    a("--num-requests", type=int, default=32)
+    a("--num-requests", type=positive, default=32)
     source = parser.add_mutually_exclusive_group()
     source.add_argument(
         "--mix",
-        type=_mix,
+        type=checked(parse_mix),
         default=None,
         help=f"a named mix ({', '.join(MIXES)}) or SHARE:INxOUT,... (0.25:1024x16,0.75:64x64)",
     )
@@ -141,7 +97,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--slo-scales",
-        type=_csv(float, "a positive scale", lambda s: s > 0),
+        type=csv_of(float, "a positive scale", lambda s: s > 0),
         default=[0.5, 1.0, 2.0, 4.0, 8.0],
         help="scales of the attainment-vs-SLO-scale curve",
     )
@@ -153,7 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--router-tpot-slo-ms",
-        type=float,
+        type=non_negative_float,
         default=None,
         help="the coordinator's --tpot-slo-ms (conditional: local prefill only within it; default: the "
         "absolute --slo-tpot-ms, 0 under --slo-scale; 0 = off)",
@@ -166,12 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--prefill-tokens-while-decoding",
-        type=int,
+        type=non_negative,
         default=0,
         help="the decode workers' (disaggregated, conditional) cap on prompt tokens per step beside "
         "running decodes: bounds their ITL while they prefill locally (0: none)",
     )
-    a("--unloaded-probes", type=int, default=2, help="unloaded requests per kind before each sweep")
+    a("--unloaded-probes", type=positive, default=2, help="unloaded requests per kind before each sweep")
     a("--request-timeout", type=float, default=300.0)
     a("--json", type=Path, default=None, help="write the whole study (JSON) here")
     a(
@@ -206,12 +162,6 @@ def _usage_error(args: argparse.Namespace) -> str:
     modes = args.modes or [args.mode]
     if args.prefill_chunk_budgets and "colocated" not in modes:
         return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
-    if args.router_tpot_slo_ms is not None and not args.router_tpot_slo_ms >= 0:
-        return "--router-tpot-slo-ms must be >= 0 (0 = off)"
-    if args.prefill_tokens_while_decoding < 0:
-        return "--prefill-tokens-while-decoding must be >= 0 (0 = none)"
-    if args.num_requests < 1 or args.unloaded_probes < 1 or args.rounds < 1:
-        return "--num-requests, --unloaded-probes and --rounds must be >= 1"
     if args.target and (args.control_planes or args.rounds > 1):
         return "--control-planes and --rounds start local clusters: drop --target"
     if args.scale_rate is not None and args.scale_rate not in args.rates:

@@ -134,6 +134,10 @@ def test_pin_and_thread_flags_parse() -> None:
         (["--threads", "decode=0"], "thread counts must be >= 1"),
         (["--mix", "docs-chats", "--dataset", "x.jsonl"], "not allowed with argument"),
         (["--control-planes", "curve,tls"], "'tls' is not a control plane (curve, plain)"),
+        (["--router-tpot-slo-ms", "-1"], "argument --router-tpot-slo-ms: -1 is not >= 0 (0: off)"),
+        (["--prefill-tokens-while-decoding", "-16"], "-16 is negative (0: off)"),
+        (["--num-requests", "0"], "argument --num-requests: 0 is not >= 1"),
+        (["--rounds", "two"], "'two' is not an integer"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -155,7 +159,6 @@ def test_bad_flags_are_usage_errors(
             "start local clusters: drop --target",
         ),
         (["--target", "127.0.0.1:1", "--modes", "colocated,disaggregated"], "several --modes need local"),
-        (["--router-tpot-slo-ms", "-1"], "--router-tpot-slo-ms must be >= 0"),
     ],
 )
 def test_contradicting_flags_stop_before_any_cluster(

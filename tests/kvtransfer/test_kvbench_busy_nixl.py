@@ -63,6 +63,25 @@ def test_a_negative_busy_count_is_refused() -> None:
         cli.main(["run", "--backend", "tcp", "--busy", "-1", *TOY])
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--sizes", "1MiB,huge", "argument --sizes: 'huge' is not a size (64KiB, 4MiB, 1000)"),
+        ("--depth", "1,0", "argument --depth: '0' is not a depth >= 1"),
+    ],
+)
+def test_bad_list_flags_are_usage_errors_naming_the_entry(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.parse_args(["run", flag, value])
+    assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_list_flags_skip_empty_entries() -> None:
+    assert cli.parse_args(["run", "--tokens", "4k,,128,"]).tokens == [4096, 128]
+
+
 @pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
 def test_nixl_row_is_verified_and_reports_a_ratio(tmp_path: Path) -> None:
     out = tmp_path / "rows.jsonl"
