@@ -27,7 +27,8 @@ one block of B tokens). With t = min(T, per_step) there
 
     short prompt (n <= T): steps = ceil((short queued + n) / (per_step - B)), computing those short
         tokens plus min(long queued, max(steps x t - short, steps x B)) long ones (B is 0 once no
-        long work is queued)
+        long work is queued), after half the long prompt's chunk in flight (step_base +
+        min(long queued, t) x cost_per_token: a prompt arriving during a step waits out the rest)
     long prompt:           steps = ceil((long queued + short queued + n) / t), computing all of them
         (every queued short prompt runs first)
 
@@ -40,6 +41,7 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
 
     work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
     local_ms = work x its cost_per_token + ceil(work / spare) x its decode step (>= its step base)
+               + half its decode step while it runs any (the step in flight, waited out)
     spare = its step token budget - its running sequences (one decode token each per step), at most
             its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
 
@@ -226,16 +228,19 @@ class Router:
         long_work = min(queued, load.queued_long_tokens + worker.pending_long_tokens)
         short_work = queued - long_work
         fill = min(threshold, per_step)  # a step's prompt tokens while a long prompt runs
+        cost_ms = self.cost_us_per_token(worker) / 1e3
+        in_flight = 0.0
         if not long_prompt(threshold, uncached):
             floor = min(worker.block_size, fill) if long_work else 0
             short = short_work + uncached
             steps = -(-short // max(1, per_step - floor))
             tokens = short + min(long_work, max(steps * fill - short, steps * floor))
+            if long_work:  # the long prompt's chunk in flight, which a short prompt waits out
+                in_flight = (load.step_base_ms + min(long_work, fill) * cost_ms) / 2
         else:
             tokens = long_work + short_work + uncached
             steps = -(-tokens // fill)
-        cost_ms = self.cost_us_per_token(worker) / 1e3
-        return tokens * cost_ms + steps * load.step_base_ms
+        return tokens * cost_ms + steps * load.step_base_ms + in_flight
 
     def compute_ms(self, worker: WorkerInfo, tokens: int, per_step: int | None = None) -> float:
         """Estimated ms for `worker` to compute `tokens`, `per_step` (default: its step budget) a step."""
@@ -259,7 +264,8 @@ class Router:
         work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
         steps = -(-work // spare)
         step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
-        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms
+        in_flight = step_ms / 2 if load.running_requests else 0.0  # the decode step a prompt waits out
+        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms + in_flight
         return LocalEstimate(ttft, cached, spare, work, len(token_ids) - cached)
 
     def estimate_tpot(

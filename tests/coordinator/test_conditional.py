@@ -43,9 +43,10 @@ def test_short_prompt_prefills_on_the_decode_worker_when_the_prefill_worker_is_q
     placement = pool.router.place(short)
     assert placement is not None and placement.path == LOCAL and placement.colocated
     assert placement.decode.worker_id == "d" and placement.decision == "local"
-    # P: 200 ms queue + 32 x 50 us + 3 ms transfer; D: 32 x 50 us (the pool's cost) + one 20 ms step
+    # P: 200 ms queue + 32 x 50 us + 3 ms transfer; D: 32 x 50 us (the pool's cost) + one 20 ms step,
+    # after half the 20 ms decode step in flight
     assert placement.remote_ttft_ms == pytest.approx(200.0 + 1.6 + 3.0)
-    assert placement.local_ttft_ms == placement.estimated_ttft_ms == pytest.approx(1.6 + 20.0)
+    assert placement.local_ttft_ms == placement.estimated_ttft_ms == pytest.approx(1.6 + 20.0 + 10.0)
     routing = placement.routing()
     assert routing.path == LOCAL and routing.decode_spare_tokens == 56 and routing.uncached_tokens == 32
     assert routing.prefill_queue_ms == pytest.approx(200.0) and routing.transfer_ms == pytest.approx(3.0)
@@ -53,7 +54,7 @@ def test_short_prompt_prefills_on_the_decode_worker_when_the_prefill_worker_is_q
     pool.report("p", us_per_token=50.0)  # P idle: the hop (3 ms) is cheaper than a decode step (20 ms)
     placement = pool.router.place(short)
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
-    assert placement.local_ttft_ms == pytest.approx(21.6) and placement.estimated_ttft_ms == pytest.approx(
+    assert placement.local_ttft_ms == pytest.approx(31.6) and placement.estimated_ttft_ms == pytest.approx(
         4.6
     )
 
@@ -114,10 +115,12 @@ def test_placed_local_work_counts_against_the_next_local_estimate(served_model: 
     pool = conditional_pool(served_model, p_queued_tokens=4000)  # remote: 200 + 10 + 3 ms
     first = pool.router.place(list(range(200)))
     assert first is not None and first.path == LOCAL
-    assert first.local_ttft_ms == pytest.approx(200 * 0.05 + 4 * 20.0)  # 4 steps of 56 spare tokens
+    assert first.local_ttft_ms == pytest.approx(
+        200 * 0.05 + 4 * 20.0 + 10.0
+    )  # 4 steps of 56 spare, + half one
     pool.router.commit(first)
     second = pool.router.place(list(range(300, 500)))  # behind the first: 400 tokens, 8 steps
-    assert second is not None and second.local_ttft_ms == pytest.approx(400 * 0.05 + 8 * 20.0)
+    assert second is not None and second.local_ttft_ms == pytest.approx(400 * 0.05 + 8 * 20.0 + 10.0)
 
 
 @pytest.mark.parametrize(("mode", "path"), [("always", REMOTE), ("never", LOCAL)], ids=["always", "never"])
@@ -180,8 +183,9 @@ def test_the_cache_hit_that_loses_scaled_to_the_tiny_model(
 
 def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: ServedModel) -> None:
     # P queues one 4,000-token document (200 ms FIFO) but runs --long-prefill-token-threshold 128:
-    # a 32-token chat goes first in its next step, the document's chunk filling it to 128 tokens
-    # (6.4 ms), and with the hop (3 ms) beats D's step
+    # a 32-token chat waits out half the document's 128-token chunk in flight (3.2 ms), then goes
+    # first in the next step, the chunk filling it to 128 tokens (6.4 ms), and with the hop (3 ms)
+    # beats D's step in flight and its next one
     pool = conditional_pool(served_model, p_queued_tokens=4000)
     pool.report(
         "p", queued_tokens=4000, queued_long_tokens=4000, long_prefill_token_threshold=128,
@@ -189,5 +193,5 @@ def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: Ser
     )  # fmt: skip
     placement = pool.router.place(list(range(100, 132)))
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
-    assert placement.remote_ttft_ms == pytest.approx(128 * 0.05 + 3.0)
-    assert placement.local_ttft_ms == pytest.approx(1.6 + 20.0)
+    assert placement.remote_ttft_ms == pytest.approx(64 * 0.05 + 128 * 0.05 + 3.0)
+    assert placement.local_ttft_ms == pytest.approx(1.6 + 20.0 + 10.0)

@@ -140,8 +140,9 @@ THRESHOLD_LOAD = {"us_per_token": 1000.0, "step_base_ms": 20.0, "step_token_budg
 
 
 def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Pool) -> None:
-    """Under --long-prefill-token-threshold 128 a 64-token chat goes first in the next step, the
-    document's chunk filling it to 128 tokens (one step), not after the document's 1,024 tokens; a
+    """Under --long-prefill-token-threshold 128 a 64-token chat waits out half the document's chunk
+    in flight (20 + 128 ms, halved), then goes first in the next step, the document's chunk filling it
+    to 128 tokens (one step), not after the document's 1,024 tokens; a
     second document waits for the first at 128 tokens a step. With 400 short tokens queued ahead the
     chat rides their step, the document keeping one block (16 tokens). Without the threshold: first
     come, first served."""
@@ -152,12 +153,13 @@ def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Po
     pool.report(
         "p", queued_tokens=1024, queued_long_tokens=1024, long_prefill_token_threshold=128, **THRESHOLD_LOAD
     )
-    assert pool.router.prefill_ms(p, 64) == pytest.approx(128 + 20)
+    in_flight = (20 + 128) / 2
+    assert pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 128 + 20)
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(2048 + 16 * 20)  # 16 steps of 128
     placed = pool.router.place(list(range(1024)))
     assert placed is not None
     pool.router.commit(placed)  # placed since the report: a long prompt too
-    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(128 + 20)
+    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 148)
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(3072 + 24 * 20)
     pool.report(
         "p",
@@ -167,7 +169,7 @@ def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Po
         **THRESHOLD_LOAD,
     )
     # 464 short tokens first, in one step of 512 with the document's 16-token floor
-    assert p.pending_long_tokens == 0 and pool.router.prefill_ms(p, 64) == pytest.approx(464 + 16 + 20)
+    assert p.pending_long_tokens == 0 and pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 500)
     # a document behind all of it: 1,424 + 1,024 tokens at 128 a step
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(2448 + 20 * 20)
     pool.report("p", queued_tokens=1024, **THRESHOLD_LOAD)  # no threshold: behind the document
