@@ -56,20 +56,21 @@ kvbench: setup
 
 # issue 12's serving study (docs/performance.md), the exact command of the final quiet measurement:
 # the docs-chats mix in bfloat16 (every mode), each mode on its own cluster, the colocated baseline
-# tuned over chunk budgets; rates 1-12/s so conditional's goodput is bracketed (it met >= 90% at 8/s
-# in session 12); conditional holds D to the 80 ms TPOT SLO (--router-tpot-slo-ms defaults to
-# --slo-tpot-ms) and D's local prefill to 64 tokens a step beside its decodes (a chat in one step: the
-# step streams the weights anyway, so 64 prompt tokens add ~24 ms to it where P spends a ~55 ms step
-# on them; docs/performance.md, session 12); every worker caps one prompt's chunk at 128 tokens a
-# step, one long prompt at a time (a chat no longer queues behind a document); D pulls the KV over UCX
-# (TCP push measured far worse for D in bf16: docs/performance.md). About 20 minutes on a quiet 2-core
-# box; STUDY_ARGS adds or overrides flags (session 12 ran `STUDY_ARGS="--rounds 2"`, ABBA).
+# tuned over chunk budgets; 48 requests a rate (24 made a burst too short for a queue to build:
+# goodput swung 2-12 req/s between two rounds of one variant), rates 1-12/s; conditional holds D to
+# the 80 ms TPOT SLO (--router-tpot-slo-ms defaults to --slo-tpot-ms) and D's local prefill to 64
+# tokens a step beside its decodes (a chat in one step: the step streams the weights anyway, so 64
+# prompt tokens add ~24 ms to it where P spends a ~55 ms step on them; docs/performance.md, session
+# 12); every worker caps one prompt's chunk at 128 tokens a step, one long prompt at a time (a chat
+# no longer queues behind a document); D pulls the KV over UCX (TCP push measured far worse for D in
+# bf16: docs/performance.md). About 11 minutes on a quiet 2-core box; STUDY_ARGS adds or overrides
+# flags (session 12 ran `STUDY_ARGS="--rounds 2"`, ABBA: 21 min).
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
 STUDY_ARGS  ?=
 study: setup
 	$(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256 \
-		--dtype bfloat16 --mix docs-chats --num-requests 24 --rates 1,2,3,4,5,6,8,10,12 \
+		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 1,2,3,4,6,8,12 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 2 \
 		--pin prefill=0,decode=1 --threads prefill=1,decode=1,colocated=2 \
 		--prefill-tokens-while-decoding 64 --long-prefill-token-threshold 128 --transfer-backend ucx \
