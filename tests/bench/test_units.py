@@ -11,7 +11,15 @@ import pytest
 from splitserve import bench
 from splitserve.bench.load import RequestTrace
 from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
-from splitserve.bench.study import BUDGET_FLAG, CAP_FLAG, Variant, variant_spec, variants
+from splitserve.bench.study import (
+    BUDGET_FLAG,
+    CAP_FLAG,
+    Variant,
+    probes,
+    variant_spec,
+    variants,
+    warm_up_items,
+)
 from splitserve.bench.workload import MIXES, arrivals, mixed, parse_mix
 from splitserve.cli import build_parser
 from splitserve.cluster import ClusterSpec
@@ -64,6 +72,18 @@ def test_docs_chats_mix_has_exact_shares_and_is_seeded() -> None:
     assert items == mixed(MIXES["docs-chats"], 40, vocab=100, seed=3)
     small = mixed(parse_mix("0.25:16x2,0.75:4x4"), 4, vocab=100, seed=0)
     assert sorted(it.kind for it in small) == ["16x2", "4x4", "4x4", "4x4"]  # a 4-request run keeps a doc
+
+
+def test_the_warm_up_shares_no_prefix_block_with_the_probes() -> None:
+    """The warm-up once sent each kind's first probe itself, which the probe then found cached."""
+    items = mixed(MIXES["docs-chats"], 48, vocab=49_000, seed=0)
+    warm = warm_up_items(items)
+    assert [(w.kind, w.prompt_len, w.max_tokens) for w in warm] == [
+        (it.kind, it.prompt_len, 2) for it in probes(items, 1)
+    ]
+    for w in warm:
+        for probe in probes(items, 2):
+            assert w.prompt[:16] != probe.prompt[:16]  # not even the first 16-token KV block
 
 
 def test_poisson_arrivals_are_seeded_and_increasing() -> None:
