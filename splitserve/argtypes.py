@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 T = TypeVar("T")
+Number = TypeVar("Number", int, float)
 
 
 def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
@@ -23,31 +24,24 @@ def checked(parse: Callable[[str], T]) -> Callable[[str], T]:
     return convert
 
 
-def _int_at_least(low: int, what: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _at_least(convert: Callable[[str], Number], kind: str, low: Number, what: str) -> Callable[[str], Number]:
+    """`convert`ed text that is >= `low` (a NaN is not), else a usage error: '... is {what}'."""
+
+    def parse(text: str) -> Number:
         try:
-            n = int(text)
+            value = convert(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if n < low:
-            raise argparse.ArgumentTypeError(f"{n} is {what}")
-        return n
+            raise argparse.ArgumentTypeError(f"{text!r} is not {kind}") from None
+        if not value >= low:  # NaN too
+            raise argparse.ArgumentTypeError(f"{text} is {what}")
+        return value
 
     return parse
 
 
-non_negative = _int_at_least(0, "negative (0: off)")
-positive = _int_at_least(1, "not >= 1")
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not x >= 0:  # NaN too
-        raise argparse.ArgumentTypeError(f"{text} is not >= 0 (0: off)")
-    return x
+non_negative = _at_least(int, "an integer", 0, "negative (0: off)")
+positive = _at_least(int, "an integer", 1, "not >= 1")
+non_negative_float = _at_least(float, "a number", 0.0, "not >= 0 (0: off)")
 
 
 def csv_of(

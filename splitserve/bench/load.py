@@ -55,6 +55,11 @@ class RequestTrace:
         return (self.token_times[-1] - self.token_times[0]) / (n - 1) * 1e3 if n > 1 else None
 
     @property
+    def first_gap_ms(self) -> float | None:
+        """Token 1 -> 2 (a remote request's hop); None with fewer than two tokens."""
+        return (self.token_times[1] - self.token_times[0]) * 1e3 if len(self.token_times) > 1 else None
+
+    @property
     def itls_ms(self) -> list[float]:
         return [(b - a) * 1e3 for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
 

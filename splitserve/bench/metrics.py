@@ -102,7 +102,7 @@ def summarize(traces: list[RequestTrace], duration: float, slos: dict[str, Laten
         "itl_ms": dist([x for t in ok for x in t.itls_ms]),
         # each request's first gap (token 1 -> 2: a remote request's hop, P's token then D's first
         # step), and every gap after it: where the ITL tail comes from
-        "first_itl_ms": dist([t.itls_ms[0] for t in ok if len(t.token_times) > 1]),
+        "first_itl_ms": dist([gap for t in ok if (gap := t.first_gap_ms) is not None]),
         "later_itl_ms": dist([x for t in ok for x in t.itls_ms[1:]]),
         "breakdown_ms": mean_breakdown,
         "attainment": attainment(traces, slos),

@@ -144,7 +144,7 @@ def _request_rows(traces: list[RequestTrace]) -> list[dict[str, Any]]:
             "tokens": len(t.token_times),
             "ttft_ms": t.ttft_ms if t.ok else None,
             "tpot_ms": t.tpot_ms if t.ok else None,
-            "first_gap_ms": t.itls_ms[0] if t.ok and len(t.token_times) > 1 else None,
+            "first_gap_ms": t.first_gap_ms if t.ok else None,
             "breakdown_ms": breakdown(t),
             "routing_ms": t.routing,
             "error": t.error,
