@@ -61,7 +61,8 @@ kvbench: setup
 # the 80 ms TPOT SLO (--router-tpot-slo-ms defaults to --slo-tpot-ms) and D's local prefill to 64
 # tokens a step beside its decodes (a chat in one step: the step streams the weights anyway, so 64
 # prompt tokens add ~24 ms to it where P spends a ~55 ms step on them; docs/performance.md, session
-# 12); every worker caps one prompt's chunk at 128 tokens a step, one long prompt at a time (a chat
+# 12); one long prompt at a time, its chunk capped at 256 tokens a step on P (no decodes there to
+# stall: a document prefills ~20% faster than at 128; session 13) and 128 where decodes run (a chat
 # no longer queues behind a document); D pulls the KV over UCX (TCP push measured far worse for D in
 # bf16: docs/performance.md). About 11 minutes on a quiet 2-core box; STUDY_ARGS adds or overrides
 # flags (session 12 ran `STUDY_ARGS="--rounds 2"`, ABBA: 21 min).
@@ -73,7 +74,8 @@ study: setup
 		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 1,2,3,4,6,8,12 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 2 \
 		--pin prefill=0,decode=1 --threads prefill=1,decode=1,colocated=2 \
-		--prefill-tokens-while-decoding 64 --long-prefill-token-threshold 128 --transfer-backend ucx \
+		--prefill-tokens-while-decoding 64 --long-prefill-token-threshold prefill=256,decode=128,colocated=128 \
+		--transfer-backend ucx \
 		--json $(STUDY_OUT)/study.json --plots $(STUDY_OUT) $(STUDY_ARGS)
 
 # every GPU check, one table (docs/gpu-check.md). No `setup`: the GPU machine has no registry, so

@@ -102,8 +102,8 @@ class ClusterSpec:
     transfer_backend: str = "tcp"
     # every worker's weights and KV (engine.config.DTYPES): one dtype per cluster
     dtype: str = field_defaults(EngineConfig)["dtype"]
-    # every worker's cap on one prompt's tokens a step (EngineConfig; 0: off)
-    long_prefill_token_threshold: int = field_defaults(EngineConfig)["long_prefill_token_threshold"]
+    # role -> its workers' cap on one prompt's tokens a step (EngineConfig's default for a role not named)
+    long_prefill_token_threshold: dict[str, int] = field(default_factory=dict)
     coordinator_args: list[str] = field(default_factory=list)
     prefill_args: list[str] = field(default_factory=list)
     decode_args: list[str] = field(default_factory=list)
@@ -214,8 +214,6 @@ class LocalCluster:
                 s.transfer_backend,
                 "--dtype",
                 s.dtype,
-                "--long-prefill-token-threshold",
-                str(s.long_prefill_token_threshold),
             ]
             # workers load their models in parallel
             pending = [self._launch_worker(role, wid, worker_security[wid]) for role, wid in s.worker_ids()]
@@ -248,6 +246,9 @@ class LocalCluster:
         self, role: str, wid: str, security: list[str]
     ) -> tuple[RoleProcess, queue.Queue[str | None]]:
         command = ["decode", "--mode", "colocated"] if role == "colocated" else [role]
+        threshold = self.spec.long_prefill_token_threshold.get(role)
+        if threshold is not None:
+            command += ["--long-prefill-token-threshold", str(threshold)]
         extra = self.spec.prefill_args if role == "prefill" else self.spec.decode_args
         return self._launch(
             role, wid, [*command, *self._worker_common, "--worker-id", wid, *security, *extra]

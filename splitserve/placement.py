@@ -1,10 +1,11 @@
-"""Where each role's processes run: CPU pinning and torch thread counts per role.
+"""Per-role settings of a local cluster: CPU pinning, torch thread counts, prompt chunk caps.
 
 `--pin prefill=0,decode=1` pins every process of a role to a CPU set (`0`, `0+2`, `0-3`); `--threads 2`
-or `--threads prefill=1,decode=1` sets `OMP_NUM_THREADS` (torch's intra-op pool) per role. Roles are
-the process roles of `splitserve.cluster`: coordinator, prefill, decode, colocated. The launcher
-applies both in the child: `os.sched_setaffinity` before exec, the thread count through the
-environment the child starts with.
+or `--threads prefill=1,decode=1` sets `OMP_NUM_THREADS` (torch's intra-op pool) per role;
+`--long-prefill-token-threshold 128` or `prefill=256,decode=128` caps one prompt's tokens a step per
+role. Roles are the process roles of `splitserve.cluster`: coordinator, prefill, decode, colocated.
+The launcher applies them in the child: `os.sched_setaffinity` before exec, the thread count through
+the environment the child starts with, the threshold as the worker's flag.
 """
 
 from __future__ import annotations
@@ -44,19 +45,31 @@ def parse_pins(text: str) -> dict[str, tuple[int, ...]]:
         raise ValueError(f"--pin {text!r}: {exc} (CPU sets look like 0, 0+2 or 0-3)") from None
 
 
-def parse_threads(text: str) -> dict[str, int]:
-    """`2` (every worker role) or `prefill=1,decode=2` -> role -> torch thread count (>= 1)."""
+def parse_role_counts(text: str, flag: str, minimum: int) -> dict[str, int]:
+    """`2` (every worker role) or `prefill=1,decode=2` -> role -> an integer >= `minimum`, for `flag`
+    (`--threads`, `--long-prefill-token-threshold`); ValueError says what to fix."""
     try:
         if "=" not in text:
             n = int(text)
             counts = {role: n for role in ROLES if role != "coordinator"}
         else:
-            counts = {role: int(v) for role, v in _role_map(text, "--threads").items()}
+            counts = {role: int(v) for role, v in _role_map(text, flag).items()}
     except ValueError as exc:
-        raise ValueError(f"--threads {text!r}: {exc} (a count, or ROLE=COUNT items)") from None
-    if any(n < 1 for n in counts.values()):
-        raise ValueError(f"--threads {text!r}: thread counts must be >= 1")
+        raise ValueError(f"{flag} {text!r}: {exc} (a number, or ROLE=NUMBER items)") from None
+    if any(n < minimum for n in counts.values()):
+        raise ValueError(f"{flag} {text!r}: values must be >= {minimum}")
     return counts
+
+
+def parse_threads(text: str) -> dict[str, int]:
+    """`2` or `prefill=1,decode=2` -> role -> torch thread count (>= 1)."""
+    return parse_role_counts(text, "--threads", 1)
+
+
+def parse_long_prefill_thresholds(text: str) -> dict[str, int]:
+    """`128` or `prefill=256,decode=128` -> role -> its workers' `--long-prefill-token-threshold`
+    (>= 0; 0: off)."""
+    return parse_role_counts(text, "--long-prefill-token-threshold", 0)
 
 
 def thread_env(threads: int | None) -> dict[str, str]:

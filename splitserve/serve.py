@@ -9,10 +9,10 @@ import threading
 from engine.config import DTYPES
 from engine.model_dir import MODEL_HELP
 from engine.worker.settings import TRANSFER_BACKENDS, field_defaults
-from splitserve.argtypes import checked, non_negative
+from splitserve.argtypes import checked
 from splitserve.cluster import MODES, ClusterSpec
 from splitserve.launch import choose_log_dir, say, started
-from splitserve.placement import parse_pins, parse_threads
+from splitserve.placement import parse_long_prefill_thresholds, parse_pins, parse_threads
 
 
 def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,10 +28,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--long-prefill-token-threshold",
-        type=non_negative,
-        default=spec["long_prefill_token_threshold"],
-        help="every worker's cap on the tokens one prompt takes of a step, so prompts behind a long "
-        "one start next step (0: off)",
+        type=checked(parse_long_prefill_thresholds),
+        default={},
+        help="the workers' cap on the tokens one prompt takes of a step, so prompts behind a long "
+        "one start next step: N for every role, or e.g. prefill=256,decode=128 (0: off; default: "
+        "the engine's, off)",
     )
     parser.add_argument("--host", default=spec["host"])
     parser.add_argument(
@@ -84,7 +85,7 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         http_port=getattr(args, "http_port", 0),
         transfer_backend=args.transfer_backend,
         dtype=args.dtype,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        long_prefill_token_threshold=dict(args.long_prefill_token_threshold),
         log_dir=choose_log_dir(args.log_dir, log_files_by_default),
         insecure_control_plane=bool(args.insecure_control_plane),
         cpus=dict(args.pin),

@@ -23,7 +23,7 @@ from splitserve.bench.study import (
 from splitserve.bench.workload import MIXES, arrivals, mixed, parse_mix
 from splitserve.cli import build_parser
 from splitserve.cluster import ClusterSpec
-from splitserve.placement import parse_pins, parse_threads
+from splitserve.placement import parse_long_prefill_thresholds, parse_pins, parse_threads
 
 
 def trace(kind: str, ttft_ms: float, tpot_ms: float, tokens: int = 3) -> RequestTrace:
@@ -140,6 +140,8 @@ def test_pin_and_thread_flags_parse() -> None:
     }
     assert parse_threads("2")["prefill"] == 2 and "coordinator" not in parse_threads("2")
     assert parse_threads("decode=1") == {"decode": 1}
+    assert parse_long_prefill_thresholds("prefill=256,decode=0") == {"prefill": 256, "decode": 0}
+    assert set(parse_long_prefill_thresholds("128").values()) == {128}
 
 
 @pytest.mark.parametrize(
@@ -151,7 +153,9 @@ def test_pin_and_thread_flags_parse() -> None:
         (["--mix", "half:1024x16"], "SHARE:INxOUT items"),
         (["--pin", "gpu=0"], "ROLE in coordinator, prefill, decode, colocated"),
         (["--pin", "decode=1-0"], "bad CPU range"),
-        (["--threads", "decode=0"], "thread counts must be >= 1"),
+        (["--threads", "decode=0"], "--threads 'decode=0': values must be >= 1"),
+        (["--long-prefill-token-threshold", "prefill=-1"], "values must be >= 0"),
+        (["--long-prefill-token-threshold", "p=256"], "ROLE in coordinator, prefill, decode, colocated"),
         (["--mix", "docs-chats", "--dataset", "x.jsonl"], "not allowed with argument"),
         (["--control-planes", "curve,tls"], "'tls' is not a control plane (curve, plain)"),
         (["--router-tpot-slo-ms", "-1"], "argument --router-tpot-slo-ms: -1 is not >= 0 (0: off)"),

@@ -21,17 +21,20 @@ from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running
 
 pytestmark = pytest.mark.xdist_group("e2e-conditional")
 LOCAL_MAX = 48  # --local-prefill-max-tokens
+DECODE_THRESHOLD = 64  # the decode worker's --long-prefill-token-threshold (P keeps the default, off)
 REMOTE, LOCAL = serving_pb2.PREFILL_PATH_REMOTE, serving_pb2.PREFILL_PATH_LOCAL
 
 
 @pytest.fixture(scope="module")
 def conditional_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """1 prefill worker computing 8 tokens a step (so three long prompts queue on it for a while) and
-    1 decode worker with a 32-token step budget, over TCP."""
+    1 decode worker with a 32-token step budget, over TCP. D's per-role threshold (64) is above every
+    prompt it takes (LOCAL_MAX), so it only shows that each role gets its own."""
     spec = ClusterSpec(
         model=str(model_dir),
         mode="conditional",
         transfer_backend="tcp",
+        long_prefill_token_threshold={"decode": DECODE_THRESHOLD},
         env=dict(KEYS_ENV),
         coordinator_args=["--local-prefill-max-tokens", str(LOCAL_MAX), "--heartbeat-interval-ms", "100"],
         prefill_args=["--block-size", "4", "--max-num-batched-tokens", "8"],
@@ -73,6 +76,13 @@ async def test_the_decision_follows_the_estimates_and_the_output_is_greedy(
         warm = await client.complete(shorts[0][:6], max_tokens=4, temperature=0.0)  # costs measured
         await _until(client, lambda s: all(w.load.step_token_budget for w in s.workers))
         assert warm.token_ids == hf_greedy(shorts[0][:6], 4)
+        thresholds = {
+            w.role: w.load.long_prefill_token_threshold for w in (await client.pool_state()).workers
+        }
+        assert thresholds == {
+            serving_pb2.WORKER_ROLE_PREFILL: 0,
+            serving_pb2.WORKER_ROLE_DECODE: DECODE_THRESHOLD,
+        }
         long_tasks = [asyncio.create_task(client.complete(p, max_tokens=4, temperature=0.0)) for p in longs]
         await _until(client, lambda s: s.active_requests >= len(longs))  # placed: P has 900 tokens
         short_done = await asyncio.gather(
