@@ -75,7 +75,7 @@ class Coordinator:
         if self.model is None:
             self.model = await asyncio.to_thread(load_served_model, cfg.model, cfg.served_model_name)
         self.metrics = CoordinatorMetrics()
-        self.table = RequestTable(self.metrics)
+        self.table = RequestTable(self.metrics, hold_first_token=cfg.routing.first_token_from == "decode")
         self.registry = WorkerRegistry(self.model, cfg.heartbeat_timeout_ms / 1e3)
         self.tokenizer = TokenizerThread(self.model.tokenizer, cfg.templates)
         self.auth = Authenticator(KeyRing.parse(cfg.api_keys), KeyRing.parse(cfg.admin_keys))

@@ -123,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
-    from coordinator.routing_policy import DISAGGREGATION, TPOT_GUARDS, RoutingPolicy
+    from coordinator.routing_policy import DISAGGREGATION, FIRST_TOKEN_FROM, TPOT_GUARDS, RoutingPolicy
 
     default = field_defaults(RoutingPolicy)
     parser.add_argument(
@@ -152,6 +152,14 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         default=default["tpot_guard"],
         help="ceiling: local only while every running request's projected TPOT is within --tpot-slo-ms; "
         "increment: unless it pushes one that would meet the target over it",
+    )
+    parser.add_argument(
+        "--first-token-from",
+        choices=FIRST_TOKEN_FROM,
+        default=default["first_token_from"],
+        help="a shipped request's first token streams when its decode worker starts decoding it "
+        "(decode: the KV transfer in TTFT, an even first gap) or when the prefill worker samples it "
+        "(prefill: a lower TTFT, the transfer in the first gap)",
     )
 
 
@@ -238,7 +246,11 @@ def _config(
         control_authorized_keys=args.control_authorized_keys,
         insecure_control_plane=bool(args.insecure_control_plane),
         routing=RoutingPolicy(
-            args.disaggregation, args.local_prefill_max_tokens, args.tpot_slo_ms, args.tpot_guard
+            args.disaggregation,
+            args.local_prefill_max_tokens,
+            args.tpot_slo_ms,
+            args.tpot_guard,
+            args.first_token_from,
         ),
     )
 

@@ -134,6 +134,7 @@ class OutputAssembler:
                 decode_ms=((last or now) - (first or now)) * 1e3,
                 total_ms=(now - arrival) * 1e3,
                 routing=stats.routing,
+                kv_transfer_in_ttft=stats.kv_transfer_in_ttft,
             ),
         )
         if end.stop_string is not None:

@@ -9,6 +9,10 @@ A record is created when admission passes (`insert`) and leaves the table when t
     dropped (duplicate)   every token at or below what the stream already has
     held                  decode output that arrived before the prefill worker's first token (two
                           senders, two sockets: no order between them); replayed when it arrives
+    parked                the prefill worker's token of a shipped request, accepted but not yet
+                          streamed (`hold_first_token`, --first-token-from decode): the decode
+                          worker's first output for it (its announce at its first step) streams it;
+                          a new generation or the request's end streams it too, never drops it
     GAP                   an offset past the next expected position: an error the caller recovers from
     accepted              new tokens go to the record's event queue, in order
 
@@ -81,6 +85,7 @@ class RequestStats:
     queue_ms: float = 0.0  # admission queue + prefill worker queue
     prefill_ms: float = 0.0
     kv_transfer_ms: float = 0.0
+    kv_transfer_in_ttft: bool = False  # a first token waited for its decode worker (parked)
     cached_prompt_tokens: int | None = None  # from the first prefill
     preemptions: int = 0
     routing: serving_pb2.RoutingDecision | None = None  # the last placement's (the dispatcher's)
@@ -106,6 +111,7 @@ class RequestRecord:
     prefill_done: bool = False  # the current generation's prefill worker has sent its token
     decode_started: bool = False  # the current generation's decode worker has sent tokens
     held: list[control_pb2.Tokens] = field(default_factory=list)  # see Outcome.HELD
+    parked: TokenEvent | None = None  # see the module doc
     ended: bool = False
 
     @property
@@ -117,7 +123,10 @@ class RequestRecord:
 class RequestTable:
     """Owned by the coordinator app; used from the event loop only (not thread-safe)."""
 
-    def __init__(self, metrics: CoordinatorMetrics, rid_start: int | None = None) -> None:
+    def __init__(
+        self, metrics: CoordinatorMetrics, rid_start: int | None = None, *, hold_first_token: bool = False
+    ) -> None:
+        self.hold_first_token = hold_first_token
         # rids start from the start time in microseconds, so a restarted coordinator never reuses one
         self._next_rid = rid_start if rid_start is not None else time.time_ns() // 1000
         self._by_rid: dict[int, RequestRecord] = {}
@@ -168,6 +177,7 @@ class RequestTable:
     def bump(self, record: RequestRecord) -> int:
         """A new version: everything older is stale from now on. Returns the new generation."""
         record.generation += 1
+        self._stream_parked(record)  # accepted, so the client gets it whatever the next run does
         record.prefill_done = record.decode_started = False
         record.held.clear()
         return record.generation
@@ -184,8 +194,14 @@ class RequestTable:
         self.metrics.active_requests.set(len(self._by_rid))
         if not self._by_rid:
             self._empty.set()
+        self._stream_parked(record)
         if event is not None:
             record.events.put_nowait(event)
+
+    def _stream_parked(self, record: RequestRecord) -> None:
+        if record.parked is not None:
+            record.events.put_nowait(record.parked)
+            record.parked = None
 
     def drop_late(self, why: str, rid: int) -> None:
         self.late_outputs_dropped += 1
@@ -218,6 +234,9 @@ class RequestTable:
         have = len(record.output_token_ids)
         if from_prefill:
             record.prefill_done = True
+        elif record.parked is not None:  # the decode worker runs it: the first token streams now
+            record.stats.kv_transfer_in_ttft = True
+            self._stream_parked(record)
         elif not record.prefill_done and tokens.offset > have and len(record.held) < MAX_HELD_OUTPUTS:
             record.held.append(tokens)
             return Outcome.HELD
@@ -239,7 +258,16 @@ class RequestTable:
             record.stats.kv_transfer_ms += tokens.kv_transfer_ms
         record.output_token_ids.extend(new)
         logprobs = convert_logprobs(tokens, skip, len(new)) if tokens.HasField("logprobs") else []
-        record.events.put_nowait(TokenEvent(have, new, logprobs, finish))
+        event = TokenEvent(have, new, logprobs, finish)
+        if (
+            from_prefill
+            and not finish
+            and self.hold_first_token
+            and record.decode_worker != record.prefill_worker
+        ):
+            record.parked = event  # shipped: it streams when its decode worker starts on it
+            return Outcome.ACCEPTED
+        record.events.put_nowait(event)
         if finish:
             self.end(record)
             return Outcome.FINISHED

@@ -36,7 +36,9 @@ each step costing step_base, each token cost_per_token; without T, the plain FIF
 Without this a chat behind a queued document was priced after the document.
 
 Conditional disaggregation (`RoutingPolicy.disaggregation`): the remote path costs the prefill
-worker's estimate plus the decode worker's measured KV transfer time; the local path (the decode
+worker's estimate plus the decode worker's measured KV transfer time (and, when the first token
+streams from the decode worker, `--first-token-from decode`, half its decode step while it runs any:
+the request joins at its next step boundary); the local path (the decode
 worker prefills the prompt itself, in chunks of the step budget its running decodes leave) costs
 
     work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
@@ -264,8 +266,7 @@ class Router:
         work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
         steps = -(-work // spare)
         step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
-        in_flight = step_ms / 2 if load.running_requests else 0.0  # the decode step a prompt waits out
-        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms + in_flight
+        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms + _step_in_flight_ms(decode)
         return LocalEstimate(ttft, cached, spare, work, len(token_ids) - cached)
 
     def estimate_tpot(
@@ -361,6 +362,8 @@ class Router:
             transfer = decode.load.kv_transfer_ms
             queue_ms = self.compute_ms(prefill, prefill.load.queued_tokens + prefill.pending_tokens)
             total = ttft + transfer
+            if self.policy.first_token_from == "decode":  # token 1 streams at D's next step boundary
+                total += _step_in_flight_ms(decode)
             return Placement(
                 prefill, decode, cached, uncached, total, needed, REMOTE, total, 0.0, transfer, queue_ms
             )
@@ -461,3 +464,9 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         decode_running=local.decode_running,
         local_pushed_over=local.local_pushed_over,
     )
+
+
+def _step_in_flight_ms(decode: WorkerInfo) -> float:
+    """What a request joining `decode` waits out: half its decode step while it runs any."""
+    load = decode.load
+    return max(load.decode_step_ms, load.step_base_ms) / 2 if load.running_requests else 0.0

@@ -1,5 +1,6 @@
-"""The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`, `--tpot-slo-ms`); import-light, because
-`splitserve --help` builds the coordinator's flags from these defaults."""
+"""The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`, `--tpot-slo-ms`,
+`--first-token-from`); import-light, because `splitserve --help` builds the coordinator's flags from
+these defaults."""
 
 from __future__ import annotations
 
@@ -7,11 +8,13 @@ from dataclasses import dataclass
 
 DISAGGREGATION = ("always", "never", "conditional")  # the first is the default
 TPOT_GUARDS = ("ceiling", "increment")  # the first is the default
+FIRST_TOKEN_FROM = ("decode", "prefill")  # the first is the default
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingPolicy:
-    """When a decode worker prefills a prompt itself (coordinator/router.py says how it is decided).
+    """How a request takes the hop: when a decode worker prefills a prompt itself (coordinator/router.py
+    says how it is decided) and when a shipped request's first token streams.
 
     `always`: every prompt is prefilled on a prefill worker and its KV shipped; `never`: every prompt
     is prefilled on its decode worker; `conditional`: per request, whichever path has the lower
@@ -19,13 +22,20 @@ class RoutingPolicy:
     prompt are uncached there, and, with `tpot_slo_ms` > 0, only while the decode worker's projected
     TPOT with that prefill in its steps stays within `tpot_slo_ms` (0: TTFT alone decides): under
     the `ceiling` guard while every running request's projection does, under `increment` unless the
-    prefill pushes a request that would meet the target without it over it. Created once from the
-    flags, never changed."""
+    prefill pushes a request that would meet the target without it over it.
+
+    `first_token_from` (the hop's first token, prefilled on a prefill worker): `decode` streams it
+    when the decode worker starts decoding the request (its KV landed, its first step scheduled), as
+    vLLM's, SGLang's and Dynamo's decode instances do: the transfer and the wait for D's step
+    boundary lie in TTFT and the first inter-token gap is one decode step; `prefill` streams it as
+    soon as the prefill worker samples it: a lower TTFT, and a first gap that also carries the
+    transfer and that wait. Created once from the flags, never changed."""
 
     disaggregation: str = DISAGGREGATION[0]
     local_prefill_max_tokens: int = 512
     tpot_slo_ms: float = 0.0
     tpot_guard: str = TPOT_GUARDS[0]
+    first_token_from: str = FIRST_TOKEN_FROM[0]
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATION:
@@ -36,5 +46,10 @@ class RoutingPolicy:
             raise ValueError(f"--local-prefill-max-tokens must be >= 0, got {self.local_prefill_max_tokens}")
         if self.tpot_guard not in TPOT_GUARDS:
             raise ValueError(f"--tpot-guard must be one of {', '.join(TPOT_GUARDS)}, got {self.tpot_guard!r}")
+        if self.first_token_from not in FIRST_TOKEN_FROM:
+            raise ValueError(
+                f"--first-token-from must be one of {', '.join(FIRST_TOKEN_FROM)}, "
+                f"got {self.first_token_from!r}"
+            )
         if not self.tpot_slo_ms >= 0:  # also refuses NaN
             raise ValueError(f"--tpot-slo-ms must be >= 0 (0 = off), got {self.tpot_slo_ms}")

@@ -11,7 +11,9 @@ Decode with a prefill peer (disaggregated):
     (--kv-transfer-mode pull: Reserved.pull; no receives posted; each KVChunkReady names P's source
      blocks and D reads them into its reserved ones, the first one opening a PullRecvSession)
     KVDone ──► every announced chunk and every message landed?
-           ├─ yes ──► joins the batch with token 1 as its next input (never recomputed); KVAck(ok)
+           ├─ yes ──► joins the batch with token 1 as its next input (never recomputed); KVAck(ok);
+           │          its first step about to run ──► token 1 to the coordinator (a TokenBatch item
+           │          it already has from P: under --first-token-from decode, the one that streams it)
            └─ no ───► KVAck(failed) to P, Abort(PEER_FAILED) to the coordinator, blocks released
     each step ──► one TokenBatch for every request that produced a token (offsets per request)
     out of blocks ──► preempted: blocks freed, Preempted to the coordinator (it resumes via prefill)
@@ -33,8 +35,9 @@ from dataclasses import dataclass, field, replace
 import structlog
 
 from engine.kv_manager import cdiv
+from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
-from engine.worker.convert import engine_request_id, sampling_params
+from engine.worker.convert import engine_request_id, sampling_params, tokens_message
 from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.stepper import StepReport, ema
@@ -67,6 +70,7 @@ class DecodeRequest(WorkerRequest):
     kv_done: control_pb2.KVDone | None = None
     kv_done_at: float | None = None
     running: bool = False
+    announced: bool = False  # token 1 re-sent to the coordinator as this worker's first step started
     first_token_sent: bool = False
     kv_transfer_ms: float | None = None
 
@@ -306,6 +310,24 @@ class DecodeWorker(WorkerRole):
                 rid=r.rid, generation=r.generation, num_output_tokens=seq.num_output_tokens
             )
             await self.to_coordinator(preempted=done)
+
+    async def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
+        """Announce each shipped request at its first step here: its token 1 (the coordinator has it
+        from P; under --first-token-from decode this is what streams it), just before the forward,
+        so the client's first gap is this one step."""
+        items = []
+        for item in scheduled:
+            r: DecodeRequest | None = self.of_seq(item.seq)
+            if r is not None and r.peer is not None and r.running and not r.announced:
+                r.announced = True
+                seq = r.seq
+                items.append(
+                    tokens_message(r.rid, r.generation, seq.num_output_tokens - 1, seq.token_ids[-1:])
+                )
+        if items:
+            await self.to_coordinator(
+                token_batch=control_pb2.TokenBatch(worker_id=self.settings.worker_id, items=items)
+            )
 
     async def on_step(self, report: StepReport) -> None:
         self.note_started(report)

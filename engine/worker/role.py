@@ -182,8 +182,8 @@ class WorkerRole:
             if rec.peer is not None and rec.peer.worker_id in worker_ids and self.peer_needs_abort(rec):
                 await self.fail(rec, control_pb2.ABORT_REASON_PEER_FAILED, f"peer {rec.peer.worker_id} left")
 
-    def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
-        """Called before each forward (overridden by the prefill role to start shipping)."""
+    async def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None:
+        """Called before each forward (the decode role announces the requests it starts decoding)."""
 
     async def on_step_failed(self, seqs: list[Sequence], error: BaseException) -> None:
         for seq in seqs:

@@ -46,7 +46,7 @@ class StepHandler(Protocol):
 
     async def on_preempted(self, seqs: list[Sequence]) -> None: ...
 
-    def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None: ...
+    async def on_scheduled(self, scheduled: list[ScheduledSequence]) -> None: ...
 
     async def on_step(self, report: StepReport) -> None: ...
 
@@ -112,7 +112,7 @@ class StepLoop:
     async def _step(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput) -> None:
         assert self.handler is not None
         self._in_flight = {item.seq for item in out.scheduled}
-        self.handler.on_scheduled(out.scheduled)
+        await self._notify(self.handler.on_scheduled(out.scheduled))
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive

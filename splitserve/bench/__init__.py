@@ -23,7 +23,7 @@ import json
 import sys
 from pathlib import Path
 
-from coordinator.routing_policy import TPOT_GUARDS
+from coordinator.routing_policy import FIRST_TOKEN_FROM, TPOT_GUARDS
 from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
 from splitserve.bench.study import CONTROL_PLANES, StudyPlan, run_study, variants
@@ -121,6 +121,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the coordinator's --tpot-guard (default: the coordinator's)",
     )
     a(
+        "--first-token-from",
+        choices=FIRST_TOKEN_FROM,
+        default=None,
+        help="the coordinator's --first-token-from: a shipped request's first token streams when D "
+        "starts on it (decode) or when P samples it (prefill) (default: the coordinator's)",
+    )
+    a(
         "--prefill-tokens-while-decoding",
         type=non_negative,
         default=0,
@@ -206,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
         spec.coordinator_args = [*spec.coordinator_args, "--tpot-slo-ms", f"{router_tpot:g}"]
         if args.router_tpot_guard:
             spec.coordinator_args += ["--tpot-guard", args.router_tpot_guard]
+        if args.first_token_from:
+            spec.coordinator_args += ["--first-token-from", args.first_token_from]
     study = run_study(plan, vs, spec, args.target, say=say)
     study["workload"] = {
         "num_requests": len(plan.items),
@@ -219,6 +228,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "router_tpot_slo_ms": None if args.target else router_tpot,
         "router_tpot_guard": args.router_tpot_guard,
+        "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "dtype": None if args.target else args.dtype,

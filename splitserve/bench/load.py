@@ -38,6 +38,7 @@ class RequestTrace:
     path: str = ""  # where the router had it prefilled: remote, local or colocated ("" unknown)
     routing: dict[str, float] = field(default_factory=dict)  # ROUTING_FIELDS of Timings.routing
     resumes: int = 0  # Usage.preemptions: runs after the first (their queue and prefill are summed in)
+    kv_transfer_in_ttft: bool = False  # Timings.kv_transfer_in_ttft: the first token waited for D
     error: str = ""
 
     @property
@@ -56,7 +57,8 @@ class RequestTrace:
 
     @property
     def first_gap_ms(self) -> float | None:
-        """Token 1 -> 2 (a remote request's hop); None with fewer than two tokens."""
+        """Token 1 -> 2 (a remote request's hop unless its first token waited for the decode worker);
+        None with fewer than two tokens."""
         return (self.token_times[1] - self.token_times[0]) * 1e3 if len(self.token_times) > 1 else None
 
     @property
@@ -97,6 +99,7 @@ async def run_load(
                     trace.path = path_name(t.routing.path)
                     trace.routing = {name: float(getattr(t.routing, name)) for name in ROUTING_FIELDS}
                     trace.resumes = event.finished.usage.preemptions
+                    trace.kv_transfer_in_ttft = t.kv_transfer_in_ttft
         except grpc.aio.AioRpcError as exc:
             trace.error = f"{exc.code().name}: {exc.details()}"
         if on_done is not None:

@@ -72,17 +72,20 @@ def attainment(traces: list[RequestTrace], slos: dict[str, Latency]) -> float:
 
 def breakdown(trace: RequestTrace) -> dict[str, float]:
     """The server's timings of one finished request plus `other_ms`: first token time not spent
-    queued or prefilling (routing, delivery). TTFT = queue + prefill + other; the KV transfer starts
-    once the first token is sampled, so it lies in decode (it delays the second token), not in TTFT.
-    A resumed request has no `other_ms`: its queue and prefill sum every run, the later ones after
-    its first token (that is how `other` once came out at -48 ms). Empty for a request that never
-    finished."""
+    queued, prefilling or (`kv_transfer_in_ttft`) moving the KV: routing, delivery, and the wait for
+    the decode worker's step boundary. The KV transfer starts once the first token is sampled, so
+    it lies in TTFT when that token waited for the decode worker (the coordinator's
+    --first-token-from decode: TTFT = queue + prefill + kv transfer + other), else in decode (it
+    delays the second token; TTFT = queue + prefill + other). A resumed request has no `other_ms`:
+    its queue and prefill sum every run, the later ones after its first token (that is how `other`
+    once came out at -48 ms). Empty for a request that never finished."""
     if not trace.timings:
         return {}
     t = trace.timings
     parts = {name: t[name] for name in TIMING_FIELDS}
     if trace.resumes == 0:
-        parts["other_ms"] = t["first_token_ms"] - t["queue_ms"] - t["prefill_ms"]
+        kv = t["kv_transfer_ms"] if trace.kv_transfer_in_ttft else 0.0
+        parts["other_ms"] = t["first_token_ms"] - t["queue_ms"] - t["prefill_ms"] - kv
     return parts
 
 

@@ -145,6 +145,7 @@ def _request_rows(traces: list[RequestTrace]) -> list[dict[str, Any]]:
             "ttft_ms": t.ttft_ms if t.ok else None,
             "tpot_ms": t.tpot_ms if t.ok else None,
             "first_gap_ms": t.first_gap_ms if t.ok else None,
+            "kv_transfer_in_ttft": t.kv_transfer_in_ttft,
             "breakdown_ms": breakdown(t),
             "routing_ms": t.routing,
             "error": t.error,

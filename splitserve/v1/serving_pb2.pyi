@@ -1072,6 +1072,7 @@ class Timings(_message.Message):
     DECODE_MS_FIELD_NUMBER: _builtins.int
     TOTAL_MS_FIELD_NUMBER: _builtins.int
     ROUTING_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_IN_TTFT_FIELD_NUMBER: _builtins.int
     queue_ms: _builtins.float
     """Waiting before prefill compute started: the coordinator's admission queue plus the prefill
     worker's queue.
@@ -1080,7 +1081,8 @@ class Timings(_message.Message):
     """Prefill compute on the prefill worker, first chunk start to first token sampled."""
     kv_transfer_ms: _builtins.float
     """KV transfer time not hidden behind prefill compute: first token sampled to the last KV byte
-    delivered to the decode worker. 0 when the transfer fully overlapped compute.
+    delivered to the decode worker. 0 when the transfer fully overlapped compute. It delays the
+    second token, or the first one when kv_transfer_in_ttft.
     """
     first_token_ms: _builtins.float
     """Time to first token: request arrival to the first token sent to the client."""
@@ -1088,6 +1090,11 @@ class Timings(_message.Message):
     """First token sent to last token sent."""
     total_ms: _builtins.float
     """Request arrival to the Finished event."""
+    kv_transfer_in_ttft: _builtins.bool
+    """The first token streamed when the decode worker started decoding (the coordinator's
+    --first-token-from decode, for a prompt prefilled on a prefill worker): kv_transfer_ms then lies
+    in first_token_ms, not in decode_ms.
+    """
     @_builtins.property
     def routing(self) -> Global___RoutingDecision:
         """How the router placed the request (its last placement, when it was resumed) and why."""
@@ -1102,10 +1109,11 @@ class Timings(_message.Message):
         decode_ms: _builtins.float = ...,
         total_ms: _builtins.float = ...,
         routing: Global___RoutingDecision | None = ...,
+        kv_transfer_in_ttft: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["routing", b"routing"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "first_token_ms", b"first_token_ms", "kv_transfer_ms", b"kv_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms", "routing", b"routing", "total_ms", b"total_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_ms", b"decode_ms", "first_token_ms", b"first_token_ms", "kv_transfer_in_ttft", b"kv_transfer_in_ttft", "kv_transfer_ms", b"kv_transfer_ms", "prefill_ms", b"prefill_ms", "queue_ms", b"queue_ms", "routing", b"routing", "total_ms", b"total_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -200,6 +200,7 @@ async def test_api_fuzz_never_unknown_or_internal_and_the_canary_is_unharmed(
     canary = cluster.inference.Generate(greedy("canary", max_tokens=3, request_id=CANARY), metadata=canary_md)
     req = await asyncio.wait_for(canary_req, 10)
     await p.tokens(req.rid, req.generation, 0, [11], prefill_done=True)
+    await d.tokens(req.rid, req.generation, 0, [11])  # D's first step: token 1 streams
     assert list((await canary.read()).delta.token_ids) == [11]
 
     fuzz = Fuzzer(random.Random(SEED))

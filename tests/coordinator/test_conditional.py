@@ -43,20 +43,38 @@ def test_short_prompt_prefills_on_the_decode_worker_when_the_prefill_worker_is_q
     placement = pool.router.place(short)
     assert placement is not None and placement.path == LOCAL and placement.colocated
     assert placement.decode.worker_id == "d" and placement.decision == "local"
-    # P: 200 ms queue + 32 x 50 us + 3 ms transfer; D: 32 x 50 us (the pool's cost) + one 20 ms step,
-    # after half the 20 ms decode step in flight
-    assert placement.remote_ttft_ms == pytest.approx(200.0 + 1.6 + 3.0)
+    # P: 200 ms queue + 32 x 50 us + 3 ms transfer, and token 1 streams from D at its next step
+    # boundary (--first-token-from decode): half its 20 ms decode step; D: 32 x 50 us (the pool's
+    # cost) + one 20 ms step, after half the 20 ms decode step in flight
+    assert placement.remote_ttft_ms == pytest.approx(200.0 + 1.6 + 3.0 + 10.0)
     assert placement.local_ttft_ms == placement.estimated_ttft_ms == pytest.approx(1.6 + 20.0 + 10.0)
     routing = placement.routing()
     assert routing.path == LOCAL and routing.decode_spare_tokens == 56 and routing.uncached_tokens == 32
     assert routing.prefill_queue_ms == pytest.approx(200.0) and routing.transfer_ms == pytest.approx(3.0)
 
-    pool.report("p", us_per_token=50.0)  # P idle: the hop (3 ms) is cheaper than a decode step (20 ms)
+    pool.report("p", us_per_token=50.0)  # P idle: the hop (3 ms + 10) is cheaper than a decode step (20 ms)
     placement = pool.router.place(short)
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
-    assert placement.local_ttft_ms == pytest.approx(31.6) and placement.estimated_ttft_ms == pytest.approx(
-        4.6
-    )
+    assert placement.local_ttft_ms == pytest.approx(31.6)
+    assert placement.estimated_ttft_ms == pytest.approx(14.6)
+
+
+def test_a_first_token_streamed_from_the_prefill_worker_waits_for_no_decode_step(
+    served_model: ServedModel,
+) -> None:
+    """--first-token-from prefill: the client gets token 1 as P samples it, so the remote estimate
+    has no decode step in it; with D idle there is none to wait out either way."""
+    pool = Pool(served_model, RoutingPolicy("conditional", first_token_from="prefill"))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    pool.report("p", us_per_token=50.0)
+    pool.report("d", **DECODE_LOAD)
+    placement = pool.router.place(list(range(100, 132)))
+    assert placement is not None and placement.remote_ttft_ms == pytest.approx(1.6 + 3.0)
+    idle = conditional_pool(served_model, p_queued_tokens=0)
+    idle.report("d", **(DECODE_LOAD | {"running_requests": 0}))
+    placement = idle.router.place(list(range(100, 132)))
+    assert placement is not None and placement.remote_ttft_ms == pytest.approx(1.6 + 3.0)
 
 
 def test_long_prompt_goes_to_the_prefill_worker_however_queued(served_model: ServedModel) -> None:
@@ -85,7 +103,7 @@ def test_mostly_cached_prompt_skips_the_hop(served_model: ServedModel) -> None:
     placement = pool.router.place(prompt)
     assert placement is not None and placement.path == LOCAL
     assert (placement.cached_tokens, placement.uncached_tokens) == (992, 8)
-    assert placement.remote_ttft_ms == pytest.approx(1000 * 0.05 + 3.0)  # P has none of it
+    assert placement.remote_ttft_ms == pytest.approx(1000 * 0.05 + 3.0 + 10.0)  # P has none of it
 
 
 def test_step_base_counts_once_per_step_of_the_budget(served_model: ServedModel) -> None:
@@ -112,7 +130,7 @@ def test_no_spare_step_budget_means_no_local_prefill(served_model: ServedModel) 
 
 
 def test_placed_local_work_counts_against_the_next_local_estimate(served_model: ServedModel) -> None:
-    pool = conditional_pool(served_model, p_queued_tokens=4000)  # remote: 200 + 10 + 3 ms
+    pool = conditional_pool(served_model, p_queued_tokens=4000)  # remote: 200 + 10 + 3 + 10 ms
     first = pool.router.place(list(range(200)))
     assert first is not None and first.path == LOCAL
     assert first.local_ttft_ms == pytest.approx(
@@ -184,8 +202,8 @@ def test_the_cache_hit_that_loses_scaled_to_the_tiny_model(
 def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: ServedModel) -> None:
     # P queues one 4,000-token document (200 ms FIFO) but runs --long-prefill-token-threshold 128:
     # a 32-token chat waits out half the document's 128-token chunk in flight (3.2 ms), then goes
-    # first in the next step, the chunk filling it to 128 tokens (6.4 ms), and with the hop (3 ms)
-    # beats D's step in flight and its next one
+    # first in the next step, the chunk filling it to 128 tokens (6.4 ms), and with the hop (3 ms,
+    # and half D's 20 ms step before token 1 streams from D) beats D's step in flight and its next one
     pool = conditional_pool(served_model, p_queued_tokens=4000)
     pool.report(
         "p", queued_tokens=4000, queued_long_tokens=4000, long_prefill_token_threshold=128,
@@ -193,5 +211,5 @@ def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: Ser
     )  # fmt: skip
     placement = pool.router.place(list(range(100, 132)))
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
-    assert placement.remote_ttft_ms == pytest.approx(64 * 0.05 + 128 * 0.05 + 3.0)
+    assert placement.remote_ttft_ms == pytest.approx(64 * 0.05 + 128 * 0.05 + 3.0 + 10.0)
     assert placement.local_ttft_ms == pytest.approx(1.6 + 20.0 + 10.0)

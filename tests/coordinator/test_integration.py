@@ -16,6 +16,7 @@ from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_status import rpc_status
 
+from coordinator.routing_policy import FIRST_TOKEN_FROM, RoutingPolicy
 from splitserve.v1 import control_pb2, serving_pb2
 from splitserve.wire import unpack_ids
 from tests.coordinator.conftest import Cluster
@@ -118,6 +119,7 @@ async def test_client_cancel_sends_abort_with_a_bumped_generation_to_both_worker
     req = (await p.expect("prefill")).prefill.request
     await d.expect("decode")
     await p.tokens(req.rid, req.generation, 0, [400], prefill_done=True)
+    await d.tokens(req.rid, req.generation, 0, [400])  # D's first step: token 1 streams (the default)
     first = await call.read()
     assert list(first.delta.token_ids) == [400]
     call.cancel()
@@ -196,24 +198,31 @@ async def test_reserve_failed_re_places_the_decode_and_reassigns_the_prefill(
     assert [i for r in responses if r.HasField("delta") for i in r.delta.token_ids] == [500, 501]
 
 
+@pytest.mark.parametrize("first_token_from", FIRST_TOKEN_FROM)
 async def test_a_re_placed_decode_reserves_for_what_prefill_computes_not_for_streamed_tokens(
-    start_cluster: StartCluster,
+    start_cluster: StartCluster, first_token_from: str
 ) -> None:
-    """Token 1 reaches the client before D refuses: the new D still gets the sequence P computes
-    (no output tokens), else its reservation would not match P's KV."""
-    cluster = await start_cluster()
+    """Token 1 is the request's before D refuses (streamed at once under `--first-token-from
+    prefill`, held for the next D under `decode`): the new D still gets the sequence P computes (no
+    output tokens), else its reservation would not match P's KV; under `decode` its first step
+    streams token 1."""
+    cluster = await start_cluster(routing=RoutingPolicy(first_token_from=first_token_from))
     p, d_big, d_small = await one_prefill_two_decoders(cluster)
     call = cluster.inference.Generate(greedy("token one first", max_tokens=3), timeout=10)
     req = (await d_big.expect("decode")).decode.request
     await p.tokens(req.rid, req.generation, 0, [500], prefill_done=True)
-    first = await call.read()
-    assert list(first.delta.token_ids) == [500]  # the coordinator has streamed token 1
+    first = asyncio.ensure_future(call.read())
+    if first_token_from == "prefill":
+        assert list((await first).delta.token_ids) == [500]  # the coordinator has streamed token 1
     failed = control_pb2.ReserveFailed(
         rid=req.rid, generation=req.generation, decode_worker_id="d-big", needed_blocks=2, available_blocks=0
     )
     await d_big.send(reserve_failed=failed)
     again = (await d_small.expect("decode")).decode.request
     assert again == req
+    if first_token_from == "decode":
+        await d_small.tokens(req.rid, req.generation, 0, [500])
+        assert list((await first).delta.token_ids) == [500]
     call.cancel()
 
 
@@ -297,6 +306,7 @@ async def test_abort_rpc_finishes_the_stream_as_aborted(start_cluster: StartClus
     call = stub.Generate(greedy("abort me", request_id="job-7"), timeout=10)
     req = (await p.expect("prefill")).prefill.request
     await p.tokens(req.rid, req.generation, 0, [800], prefill_done=True)
+    await d.tokens(req.rid, req.generation, 0, [800])  # D's first step: token 1 streams (the default)
     assert list((await call.read()).delta.token_ids) == [800]
     with pytest.raises(grpc.aio.AioRpcError) as duplicate:  # the same id while it is in flight
         await collect(stub.Generate(greedy("again", request_id="job-7"), timeout=10))

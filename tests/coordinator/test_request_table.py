@@ -161,3 +161,71 @@ def test_decode_output_that_overtakes_the_prefill_token_waits_for_it(
     other = placed(table, served_model, request_id="gap")
     table.accept("p", tokens(other, 0, [10]), from_prefill=True)
     assert table.accept("d", tokens(other, 2, [12]), from_prefill=False) is Outcome.GAP  # a real gap
+
+
+@pytest.fixture
+def holding() -> RequestTable:
+    return RequestTable(CoordinatorMetrics(), rid_start=200, hold_first_token=True)
+
+
+def offsets(record: RequestRecord) -> list[tuple[int, list[int]]]:
+    return [(e.offset, e.token_ids) for e in events(record) if isinstance(e, TokenEvent)]
+
+
+def test_a_shipped_first_token_streams_when_its_decode_worker_announces_it(
+    holding: RequestTable, served_model: ServedModel
+) -> None:
+    record = placed(holding, served_model)
+    assert holding.accept("p", tokens(record, 0, [10]), from_prefill=True) is Outcome.ACCEPTED
+    assert events(record) == [] and record.output_token_ids == [10]  # accepted, not yet streamed
+    assert not record.stats.kv_transfer_in_ttft
+    # D's announce at its first step: a duplicate of token 1, which streams the parked one
+    assert holding.accept("d", tokens(record, 0, [10]), from_prefill=False) is Outcome.DROPPED
+    assert offsets(record) == [(0, [10])] and record.stats.kv_transfer_in_ttft
+    assert holding.accept("d", tokens(record, 1, [11]), from_prefill=False) is Outcome.ACCEPTED
+    assert offsets(record) == [(1, [11])]
+
+
+def test_decode_output_before_the_announce_streams_the_first_token_ahead_of_it(
+    holding: RequestTable, served_model: ServedModel
+) -> None:
+    record = placed(holding, served_model)
+    holding.accept("p", tokens(record, 0, [10]), from_prefill=True)
+    assert holding.accept("d", tokens(record, 1, [11, 12]), from_prefill=False) is Outcome.ACCEPTED
+    assert offsets(record) == [(0, [10]), (1, [11, 12])]
+    # and D's output that overtook P's token still comes after it
+    early = placed(holding, served_model, request_id="early")
+    assert holding.accept("d", tokens(early, 1, [11]), from_prefill=False) is Outcome.HELD
+    assert holding.accept("p", tokens(early, 0, [10]), from_prefill=True) is Outcome.ACCEPTED
+    assert offsets(early) == [(0, [10]), (1, [11])]
+
+
+def test_a_parked_first_token_is_streamed_not_lost_on_a_new_generation_or_the_end(
+    holding: RequestTable, served_model: ServedModel
+) -> None:
+    record = placed(holding, served_model)
+    holding.accept("p", tokens(record, 0, [10]), from_prefill=True)
+    holding.bump(record)  # e.g. its decode worker died before joining: the next run resumes after it
+    assert offsets(record) == [(0, [10])] and record.parked is None
+    ended = placed(holding, served_model, request_id="ended")
+    holding.accept("p", tokens(ended, 0, [10]), from_prefill=True)
+    holding.end(ended, EndEvent(None))
+    got = events(ended)
+    assert isinstance(got[0], TokenEvent) and got[0].token_ids == [10] and got[1] == EndEvent(None)
+
+
+def test_only_a_shipped_unfinished_first_token_is_parked(
+    holding: RequestTable, table: RequestTable, served_model: ServedModel
+) -> None:
+    done = placed(holding, served_model, request_id="one")  # the prefill worker's token ends it
+    assert holding.accept("p", tokens(done, 0, [10], finish=EOS), from_prefill=True) is Outcome.FINISHED
+    assert offsets(done) == [(0, [10])]
+    local = holding.insert(make_admitted(served_model, request_id="local"))
+    local.prefill_worker = local.decode_worker = "d"  # colocated, or prefilled on its decode worker
+    holding.accept("d", tokens(local, 0, [10]), from_prefill=True)
+    assert offsets(local) == [(0, [10])]
+    streamed = placed(table, served_model)  # --first-token-from prefill: at once, D's copy dropped
+    table.accept("p", tokens(streamed, 0, [10]), from_prefill=True)
+    assert offsets(streamed) == [(0, [10])]
+    assert table.accept("d", tokens(streamed, 0, [10]), from_prefill=False) is Outcome.DROPPED
+    assert events(streamed) == [] and not streamed.stats.kv_transfer_in_ttft

@@ -33,6 +33,7 @@ async def test_key_b_can_neither_abort_nor_see_key_a_request_and_ids_are_per_key
     call_a = stub.Generate(greedy("tenant a", request_id="job-1"), metadata=A, timeout=10)
     req_a = (await p.expect("prefill")).prefill.request
     await p.tokens(req_a.rid, req_a.generation, 0, [500], prefill_done=True)
+    await d.tokens(req_a.rid, req_a.generation, 0, [500])  # D's first step: token 1 streams
     assert list((await call_a.read()).delta.token_ids) == [500]
 
     # B aborting A's id is answered exactly like an id nobody uses
@@ -43,6 +44,7 @@ async def test_key_b_can_neither_abort_nor_see_key_a_request_and_ids_are_per_key
     req_b = (await p.expect("prefill")).prefill.request
     assert req_b.rid != req_a.rid
     await p.tokens(req_b.rid, req_b.generation, 0, [600], prefill_done=True)
+    await d.tokens(req_b.rid, req_b.generation, 0, [600])
     assert list((await call_b.read()).delta.token_ids) == [600]
 
     await stub.Abort(serving_pb2.AbortRequest(request_id="job-1"), metadata=A)  # ends A's only

@@ -29,14 +29,18 @@ REMOTE, LOCAL = serving_pb2.PREFILL_PATH_REMOTE, serving_pb2.PREFILL_PATH_LOCAL
 def conditional_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """1 prefill worker computing 8 tokens a step (so three long prompts queue on it for a while) and
     1 decode worker with a 32-token step budget, over TCP. D's per-role threshold (64) is above every
-    prompt it takes (LOCAL_MAX), so it only shows that each role gets its own."""
+    prompt it takes (LOCAL_MAX), so it only shows that each role gets its own. A shipped request's
+    first token streams as P samples it (`--first-token-from prefill`)."""
     spec = ClusterSpec(
         model=str(model_dir),
         mode="conditional",
         transfer_backend="tcp",
         long_prefill_token_threshold={"decode": DECODE_THRESHOLD},
         env=dict(KEYS_ENV),
-        coordinator_args=["--local-prefill-max-tokens", str(LOCAL_MAX), "--heartbeat-interval-ms", "100"],
+        coordinator_args=[
+            *("--local-prefill-max-tokens", str(LOCAL_MAX), "--heartbeat-interval-ms", "100"),
+            *("--first-token-from", "prefill"),  # the e2e cluster of test_serving.py streams it from D
+        ],
         prefill_args=["--block-size", "4", "--max-num-batched-tokens", "8"],
         decode_args=["--block-size", "4", "--max-num-batched-tokens", "32"],
     )
@@ -96,6 +100,7 @@ async def test_the_decision_follows_the_estimates_and_the_output_is_greedy(
         for got in long_done:  # over the local limit: always the prefill worker
             routing = _routing(got)
             assert routing.path == REMOTE and routing.uncached_tokens > LOCAL_MAX
+            assert got.timings is not None and not got.timings.kv_transfer_in_ttft  # streamed from P
             assert routing.estimated_ttft_ms == routing.remote_ttft_ms > 0
         for got in short_done:  # the cheaper estimate wins
             routing = _routing(got)

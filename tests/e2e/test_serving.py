@@ -12,9 +12,11 @@ from transformers import AutoTokenizer
 
 from splitserve.client import Completion
 from splitserve.cluster import LocalCluster
+from splitserve.v1 import serving_pb2
 from tests.e2e.conftest import assert_pools_clean, client_for, wait_quiescent
 
 pytestmark = pytest.mark.xdist_group("e2e-cluster")
+TOLERANCE_MS = 5.0  # durations measured by three processes' clocks
 
 SYSTEM = "You answer questions about Acme products."
 
@@ -39,6 +41,19 @@ async def test_decode_workers_pull_the_kv_over_ucx_by_default(cluster: LocalClus
     assert cluster.spec.log_dir is not None
     for role in ("prefill-0", "decode-0", "decode-1"):
         assert "kv pool mapped for one-sided reads" in (cluster.spec.log_dir / f"{role}.log").read_text()
+
+
+async def test_a_shipped_first_token_streams_once_its_decode_worker_has_the_kv(cluster: LocalCluster) -> None:
+    """`--first-token-from decode` (the default): token 1, sampled on P, reaches the client when D
+    starts decoding the request, so its KV transfer lies in TTFT (and the Timings say so)."""
+    async with client_for(cluster) as client:
+        got = await client.complete(list(range(5, 105)), max_tokens=4, temperature=0.0)
+        colocated_like = await client.complete([5], max_tokens=1, temperature=0.0)  # P's token ends it
+    t = got.timings
+    assert t is not None and t.routing.path == serving_pb2.PREFILL_PATH_REMOTE
+    assert t.kv_transfer_in_ttft
+    assert t.queue_ms + t.prefill_ms + t.kv_transfer_ms <= t.first_token_ms + TOLERANCE_MS
+    assert colocated_like.timings is not None and not colocated_like.timings.kv_transfer_in_ttft
 
 
 async def test_sixteen_concurrent_generations_match_transformers_greedy(

@@ -74,6 +74,7 @@ def test_generate_request_shape() -> None:
         "decode_ms",
         "total_ms",
         "routing",
+        "kv_transfer_in_ttft",
     }
     routing = serving_pb2.Timings.DESCRIPTOR.fields_by_name["routing"]
     assert routing.message_type is serving_pb2.RoutingDecision.DESCRIPTOR

@@ -37,8 +37,8 @@ async def test_a_request_queued_on_p_longer_than_the_lease_completes_without_exp
         if env.HasField("prefill_done"):
             queue_ms[env.prefill_done.output.rid] = env.prefill_done.queue_ms
         items = [env.prefill_done.output] if env.HasField("prefill_done") else list(env.token_batch.items)
-        for item in items:
-            tokens[item.rid] += len(wire.unpack_ids(item.token_ids))
+        for item in items:  # by offset: D's announce of token 1 repeats it
+            tokens[item.rid] = max(tokens[item.rid], item.offset + len(wire.unpack_ids(item.token_ids)))
             if item.finish_reason:
                 finished.add(item.rid)
     assert queue_ms[2] > LEASE_MS, "the premise: request 2 waited in P's queue past the lease"
