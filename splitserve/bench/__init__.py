@@ -25,6 +25,7 @@ from pathlib import Path
 
 from coordinator.routing_policy import FIRST_TOKEN_FROM, TPOT_GUARDS
 from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
+from splitserve.bench.host import host_info
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
 from splitserve.bench.study import CONTROL_PLANES, StudyPlan, run_study, variants
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
@@ -233,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "dtype": None if args.target else args.dtype,
         "transfer_backend": None if args.target else args.transfer_backend,
+        "host": host_info(),
     }
     print(render(study))
     if args.json:

@@ -44,6 +44,8 @@ def render(study: dict[str, Any]) -> str:
     served = study.get("workload", {})
     if served.get("dtype"):
         lines.append(f"served: {served['dtype']}, KV transfer over {served['transfer_backend']}")
+    if host := served.get("host"):
+        lines.append(f"host: {host['cpu']}, {host['cpus']} CPUs, {' '.join(host['isa']) or 'no AVX2'}")
     for v in study["variants"]:
         mark = "  <- best chunk budget" if v["best"] else ""
         lines.append(f"goodput {v['name']}: {v['goodput']:g} req/s (>= {study['goodput_target']:.0%}){mark}")

@@ -31,6 +31,8 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
     assert done.returncode == 0, done.stderr
     assert "goodput colocated:" in done.stdout and "goodput disaggregated:" in done.stdout
     study = json.loads((tmp_path / "study.json").read_text())
+    host = study["workload"]["host"]  # what the numbers were measured on
+    assert host["cpus"] == os.cpu_count() and isinstance(host["isa"], list) and "host: " in done.stdout
 
     assert [r["variant"] for r in study["rows"]] == ["colocated", "disaggregated"]
     for row in study["rows"]:

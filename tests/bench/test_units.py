@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from splitserve import bench
+from splitserve.bench.host import host_info
 from splitserve.bench.load import RequestTrace
 from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
 from splitserve.bench.study import (
@@ -243,3 +245,15 @@ def test_each_rate_draws_its_own_prompts_the_same_for_every_variant(
     first_tokens = {tuple(it.prompt[:16]) for d in draws for it in d}
     assert len(first_tokens) == 3 * 8  # no prompt prefix repeats across draws
     assert [it.prompt for it in bench._workloads(args)[2]] == [it.prompt for it in draws[2]]
+
+
+def test_the_host_record_names_the_cpu_and_its_matrix_extensions(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx2 avx512f amx_tile amx_bf16\n\n"
+        "processor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx2 avx512f amx_tile amx_bf16\n"
+    )
+    host = host_info(cpuinfo)
+    assert host["cpu"] == "Example CPU 9000" and host["cpus"] == os.cpu_count()
+    assert host["isa"] == ["avx2", "avx512f", "amx_tile", "amx_bf16"]  # ISA_FLAGS order, no avx512_bf16
+    assert host_info(tmp_path / "missing")["isa"] == []  # not Linux: no flags, still a record
