@@ -11,8 +11,10 @@ A record is created when admission passes (`insert`) and leaves the table when t
                           senders, two sockets: no order between them); replayed when it arrives
     parked                the prefill worker's token of a shipped request, accepted but not yet
                           streamed (`hold_first_token`, --first-token-from decode): the decode
-                          worker's first output for it (its announce at its first step) streams it;
-                          a new generation or the request's end streams it too, never drops it
+                          worker's first output for it (its announce at its first step) streams it,
+                          and so does any later run's first output (a resumed request goes on after
+                          it); a request that ends without a finish (cancel, deadline, failure) drops
+                          it: nothing reaches a client after its request was cancelled
     GAP                   an offset past the next expected position: an error the caller recovers from
     accepted              new tokens go to the record's event queue, in order
 
@@ -177,7 +179,6 @@ class RequestTable:
     def bump(self, record: RequestRecord) -> int:
         """A new version: everything older is stale from now on. Returns the new generation."""
         record.generation += 1
-        self._stream_parked(record)  # accepted, so the client gets it whatever the next run does
         record.prefill_done = record.decode_started = False
         record.held.clear()
         return record.generation
@@ -194,7 +195,7 @@ class RequestTable:
         self.metrics.active_requests.set(len(self._by_rid))
         if not self._by_rid:
             self._empty.set()
-        self._stream_parked(record)
+        record.parked = None  # its decode worker never started on it: the request ends before it
         if event is not None:
             record.events.put_nowait(event)
 
@@ -232,11 +233,11 @@ class RequestTable:
             self.drop_late(f"generation {tokens.generation} from {sender}", tokens.rid)
             return Outcome.DROPPED
         have = len(record.output_token_ids)
+        if record.parked is not None:  # the request runs on: the held token streams before this output
+            record.stats.kv_transfer_in_ttft |= not from_prefill  # its decode worker released it
+            self._stream_parked(record)
         if from_prefill:
             record.prefill_done = True
-        elif record.parked is not None:  # the decode worker runs it: the first token streams now
-            record.stats.kv_transfer_in_ttft = True
-            self._stream_parked(record)
         elif not record.prefill_done and tokens.offset > have and len(record.held) < MAX_HELD_OUTPUTS:
             record.held.append(tokens)
             return Outcome.HELD

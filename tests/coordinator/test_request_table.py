@@ -200,18 +200,23 @@ def test_decode_output_before_the_announce_streams_the_first_token_ahead_of_it(
     assert offsets(early) == [(0, [10]), (1, [11])]
 
 
-def test_a_parked_first_token_is_streamed_not_lost_on_a_new_generation_or_the_end(
+def test_a_parked_first_token_streams_before_the_next_run_and_never_after_a_cancel(
     holding: RequestTable, served_model: ServedModel
 ) -> None:
     record = placed(holding, served_model)
     holding.accept("p", tokens(record, 0, [10]), from_prefill=True)
-    holding.bump(record)  # e.g. its decode worker died before joining: the next run resumes after it
-    assert offsets(record) == [(0, [10])] and record.parked is None
-    ended = placed(holding, served_model, request_id="ended")
-    holding.accept("p", tokens(ended, 0, [10]), from_prefill=True)
-    holding.end(ended, EndEvent(None))
-    got = events(ended)
-    assert isinstance(got[0], TokenEvent) and got[0].token_ids == [10] and got[1] == EndEvent(None)
+    holding.bump(record)  # e.g. its decode worker died before joining: resumed after token 1
+    assert events(record) == [] and record.parked is not None
+    # the next run's prefill worker samples token 2: token 1 streams first, token 2 is held in turn
+    assert holding.accept("p", tokens(record, 1, [11]), from_prefill=True) is Outcome.ACCEPTED
+    assert offsets(record) == [(0, [10])] and not record.stats.kv_transfer_in_ttft
+    assert holding.accept("d", tokens(record, 1, [11]), from_prefill=False) is Outcome.DROPPED  # announce
+    assert offsets(record) == [(1, [11])] and record.stats.kv_transfer_in_ttft
+    cancelled = placed(holding, served_model, request_id="cancelled")
+    holding.accept("p", tokens(cancelled, 0, [10]), from_prefill=True)
+    holding.bump(cancelled)  # the dispatcher's cancel: bump, then end with the call's status
+    holding.end(cancelled, EndEvent(None))
+    assert events(cancelled) == [EndEvent(None)] and cancelled.parked is None
 
 
 def test_only_a_shipped_unfinished_first_token_is_parked(
