@@ -265,7 +265,7 @@ class Router:
         cached = self.cached_tokens(decode, token_ids, hashes)
         work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
         steps = -(-work // spare)
-        step_ms = max(load.decode_step_ms, load.step_base_ms)  # its decodes ride in every step
+        step_ms = _decode_step_ms(decode)  # its decodes ride in every step
         ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms + _step_in_flight_ms(decode)
         return LocalEstimate(ttft, cached, spare, work, len(token_ids) - cached)
 
@@ -466,7 +466,11 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
     )
 
 
+def _decode_step_ms(decode: WorkerInfo) -> float:
+    """`decode`'s step with its running decodes: measured, at least its fitted step base."""
+    return max(decode.load.decode_step_ms, decode.load.step_base_ms)
+
+
 def _step_in_flight_ms(decode: WorkerInfo) -> float:
     """What a request joining `decode` waits out: half its decode step while it runs any."""
-    load = decode.load
-    return max(load.decode_step_ms, load.step_base_ms) / 2 if load.running_requests else 0.0
+    return _decode_step_ms(decode) / 2 if decode.load.running_requests else 0.0

@@ -1144,7 +1144,8 @@ class RoutingDecision(_message.Message):
     """Estimated time to the first token on the chosen path, milliseconds."""
     remote_ttft_ms: _builtins.float
     """Best prefill worker's estimate: its queue + uncached tokens x its per-token cost + the transfer
-    estimate, milliseconds; 0 when no prefill worker was considered.
+    estimate (+ half the decode worker's step while it runs any, under --first-token-from decode),
+    milliseconds; 0 when no prefill worker was considered.
     """
     local_ttft_ms: _builtins.float
     """The decode worker's estimate for prefilling itself: (its queued prefill + the uncached tokens) x
