@@ -120,6 +120,6 @@ class CausalLM:
             )
         else:
             out = kernels.paged_prefill_attention(
-                q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens, self.scale
+                q, k_cache, v_cache, ctx.block_tables, ctx.cu_seqlens_q, ctx.seq_lens, self.scale, ctx.layout
             )
         return layer.o_proj(out.reshape(n, self.q_size))

@@ -10,10 +10,11 @@ import kernels.dispatch
 from engine.kv_manager import KVCacheManager
 from engine.model import CausalLM
 from engine.sampler import Sampler, SamplingBatch
-from engine.scheduler import SchedulerOutput
+from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.step_context import StepContext
 from kernels import host_memory
+from kernels.attention import VarlenLayout
 
 
 @dataclass(slots=True)
@@ -53,15 +54,16 @@ class ModelRunner:
         # build or load the C++ CPU kernels now (a first build takes ~25 s), not in the first step
         kernels.dispatch.cpu_kernels(self.kv_cache)
 
-    def prepare(self, out: SchedulerOutput) -> StepContext:
-        """Flatten the scheduled chunks into the step's metadata (one host-to-device copy per field)."""
+    def prepare(self, scheduled: list[ScheduledSequence]) -> StepContext:
+        """Flatten the scheduled chunks, in this order, into the step's metadata (one host-to-device
+        copy per field) and, for a step with prompt chunks, its attention layout."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
         cu = [0]
         sample_indices: list[int] = []
-        for item in out.scheduled:
+        for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
             input_ids.extend(seq.token_ids[start:end])
@@ -71,27 +73,35 @@ class ModelRunner:
             cu.append(cu[-1] + item.num_new_tokens)
             if item.samples:
                 sample_indices.append(cu[-1] - 1)
-        width = max(len(item.seq.block_table) for item in out.scheduled)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in out.scheduled]
+        width = max(len(item.seq.block_table) for item in scheduled)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in scheduled]
 
         def t(values: list[int] | list[list[int]], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=self.device)
 
+        block_tables = t(tables, torch.int32)
+        decode_only = len(input_ids) == len(scheduled)
+        q_lens = [item.num_new_tokens for item in scheduled]
         return StepContext(
             input_ids=t(input_ids, torch.int64),
             positions=t(positions, torch.int64),
             slot_mapping=t(slots, torch.int64),
-            block_tables=t(tables, torch.int32),
+            block_tables=block_tables,
             seq_lens=t(seq_lens, torch.int32),
             cu_seqlens_q=t(cu, torch.int32),
             sample_indices=t(sample_indices, torch.int64),
-            is_decode_only=len(input_ids) == len(out.scheduled),
+            is_decode_only=decode_only,
+            layout=None
+            if decode_only
+            else VarlenLayout.build(q_lens, seq_lens, block_tables, self.kv.block_size),
         )
 
     def execute(self, out: SchedulerOutput) -> StepResult:
-        ctx = self.prepare(out)
+        # decode tokens first: a mixed step's decode rows are then one slice for the decode kernel
+        scheduled = sorted(out.scheduled, key=lambda item: item.num_new_tokens != 1)
+        ctx = self.prepare(scheduled)
         logits = self.model.forward(ctx, self.kv_cache)
-        samplers = [item.seq for item in out.scheduled if item.samples]
+        samplers = [item.seq for item in scheduled if item.samples]
         if not samplers:
             return StepResult({}, {})
         batch = SamplingBatch.build(

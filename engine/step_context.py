@@ -9,6 +9,8 @@ with two decode tokens (seqs 1 and 2)::
     seq_lens (kv, incl. new)   8    | 10 | 3
     slot_mapping           block_table[pos // B] * B + pos % B for each t
     sample_indices         [2, 3, 4]   (last token of each sequence that samples this step)
+
+(The runner puts decode tokens first, so a mixed step's decode rows are one slice.)
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from kernels.attention import VarlenLayout
 
 
 @dataclass(slots=True)
@@ -30,6 +34,7 @@ class StepContext:
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     sample_indices: torch.Tensor  # [S] int64 into the flat tokens
     is_decode_only: bool  # every sequence contributes exactly one token
+    layout: VarlenLayout | None = None  # a step with prompt chunks: its rows, for every layer
 
     @property
     def num_tokens(self) -> int:

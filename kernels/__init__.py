@@ -8,12 +8,13 @@ Triton path runs.
 
 from __future__ import annotations
 
-from kernels.attention import paged_decode_attention, paged_prefill_attention
+from kernels.attention import VarlenLayout, paged_decode_attention, paged_prefill_attention
 from kernels.block_copy import gather_blocks, scatter_blocks
 from kernels.fused import add_rms_norm, apply_rotary, rms_norm, silu_and_mul
 from kernels.kv_write import write_kv_slots
 
 __all__ = [
+    "VarlenLayout",
     "add_rms_norm",
     "apply_rotary",
     "gather_blocks",

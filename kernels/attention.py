@@ -15,7 +15,10 @@ position (causal). Softmax and accumulation run in float32; the output has q's d
 On the CPU, decode over float32 or bfloat16 caches runs the C++ kernel of ``kernels.cpu_ext``
 (blocks read in place, online softmax in float32), also for the decode rows of a mixed batch;
 each prompt chunk gathers its own blocks and takes one ``scaled_dot_product_attention`` in the
-cache's dtype (torch's CPU flash attention: bf16 GEMMs, float32 softmax). The ``*_ref`` functions
+cache's dtype (torch's CPU flash attention: bf16 GEMMs, float32 softmax). Which rows decode, which
+blocks each chunk reads and its causal mask are the same in every layer of a step: a
+``VarlenLayout`` holds them, built once a step on the host (the model runner builds it from the
+lists it already has; without one, ``paged_prefill_attention`` builds it with one device sync). The ``*_ref`` functions
 are the float32 oracles the tests hold every path to, and the fallback where no kernel serves.
 The CPU paths read the unused tail of each sequence's last block (masked out), so the cache must
 hold finite values there: allocate it with ``torch.zeros``, never ``torch.empty`` (a NaN
@@ -24,17 +27,76 @@ would survive the mask as 0 * NaN). The Triton kernels never read those slots.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.dispatch import cpu_kernels, use_triton
 
-# (q, k_cache, v_cache, block_tables, seq_lens, scale) -> out: one query token per sequence
-DecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    """One sequence of a varlen step with more than one new token."""
+
+    rows: slice  # its rows of the step's flat tokens
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64: the blocks its keys are in, in order
+    causal_mask: torch.Tensor | None  # [q_len, keys padded to blocks]; None: nothing cached (top-left)
+
+
+@dataclass(frozen=True, slots=True)
+class VarlenLayout:
+    """A varlen step's shape, the same in every layer: the sequences with one new token (decode
+    rows, through the decode kernel) and each prompt chunk. Built once a step by its owner (the
+    model runner), read by every layer's attention, dropped with the step."""
+
+    decode_seqs: slice | torch.Tensor  # batch rows (block_tables, seq_lens) of single-token sequences
+    decode_rows: slice | torch.Tensor  # their rows of the flat tokens
+    num_decodes: int
+    chunks: tuple[PromptChunk, ...]
+    max_query_len: int
+
+    @classmethod
+    def build(
+        cls, q_lens: Seq[int], seq_lens: Seq[int], block_tables: torch.Tensor, block_size: int
+    ) -> VarlenLayout:
+        """From host lists (no device sync). Single-token sequences that lead the batch are sliced,
+        anywhere else indexed."""
+        device = block_tables.device
+        decode_seqs, decode_rows, chunks, start = [], [], [], 0
+        for seq, (q_len, seq_len) in enumerate(zip(q_lens, seq_lens, strict=True)):
+            if q_len == 1:
+                decode_seqs.append(seq)
+                decode_rows.append(start)
+            else:
+                num_blocks = -(-seq_len // block_size)
+                mask = None
+                if q_len != seq_len:  # a cached prefix: row i sits at seq_len - q_len + i
+                    q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                    mask = torch.arange(num_blocks * block_size, device=device)[None, :] <= q_pos[:, None]
+                blocks = block_tables[seq, :num_blocks].long()
+                chunks.append(PromptChunk(slice(start, start + q_len), blocks, mask))
+            start += q_len
+        n = len(decode_seqs)
+        leading = decode_seqs == list(range(n))
+        return cls(
+            slice(0, n) if leading else torch.tensor(decode_seqs, dtype=torch.long, device=device),
+            slice(0, n) if leading else torch.tensor(decode_rows, dtype=torch.long, device=device),
+            n,
+            tuple(chunks),
+            max(q_lens, default=0),
+        )
+
+    @classmethod
+    def of(
+        cls, cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, block_size: int
+    ) -> VarlenLayout:
+        """From the step's device tensors (one sync for their host copies)."""
+        cu = cu_seqlens_q.tolist()
+        q_lens = [b - a for a, b in itertools.pairwise(cu)]
+        return cls.build(q_lens, seq_lens.tolist(), block_tables, block_size)
 
 
 def paged_decode_attention(
@@ -65,26 +127,64 @@ def paged_prefill_attention(
     cu_seqlens_q: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_query_len: int | None = None,
+    layout: VarlenLayout | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new tokens over their paged prefix; returns ``[T, Hq, D]``.
 
-    Serves mixed batches: a decode token is a sequence with one new token.
-    ``max_query_len`` (the largest ``q_len_b``) spares a device sync when given.
+    Serves mixed batches: a decode token is a sequence with one new token. ``layout`` (the step's,
+    built once for all its layers) spares a device sync and the per-layer bookkeeping when given.
     """
     if q.shape[0] == 0 or seq_lens.numel() == 0:
         return torch.empty_like(q)
-    if not use_triton(q):
-        # decode rows through the decode kernel (C++ where it serves), each prompt chunk its own SDPA
-        args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-        return _split_prefill(*args, decode=paged_decode_attention, chunks=_prefill_chunks_sdpa)
-    from kernels.attention_triton import paged_attention_triton
+    if use_triton(q):
+        from kernels.attention_triton import paged_attention_triton
 
-    if max_query_len is None:
-        max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-    return paged_attention_triton(
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
+        if layout is not None:
+            max_query_len = layout.max_query_len
+        else:
+            max_query_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        return paged_attention_triton(
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale, max_query_len
+        )
+    if layout is None:
+        layout = VarlenLayout.of(cu_seqlens_q, seq_lens, block_tables, k_cache.shape[1])
+    # decode rows through the decode kernel (C++ where it serves), each prompt chunk its own SDPA
+    if not layout.chunks:
+        return paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    out = torch.empty_like(q)
+    if layout.num_decodes:
+        seqs = layout.decode_seqs
+        out[layout.decode_rows] = paged_decode_attention(
+            q[layout.decode_rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale
+        )
+    for chunk in layout.chunks:
+        out[chunk.rows] = _chunk_sdpa(q[chunk.rows], k_cache, v_cache, chunk, scale)
+    return out
+
+
+def _chunk_sdpa(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, chunk: PromptChunk, scale: float
+) -> torch.Tensor:
+    """The CPU forward path for one prompt chunk: one SDPA over its own keys, in the cache's dtype
+    (torch's CPU flash attention keeps scores, softmax and sums in float32 and runs bfloat16 GEMMs
+    on the matrix units: 2-4x the float32 upcast), causal without a mask when the chunk has no
+    cached prefix (the kernel then skips the blocks above the diagonal). Keys stay padded to whole
+    blocks: CPU SDPA is several times faster on such lengths than on a ragged slice, and the mask
+    (or the causal diagonal) hides the tail."""
+    k, v = (
+        cache.flatten(1).index_select(0, chunk.blocks).view(1, -1, *cache.shape[2:]).transpose(1, 2)
+        for cache in (k_cache, v_cache)
     )
+    attended = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k,
+        v,
+        attn_mask=chunk.causal_mask,
+        is_causal=chunk.causal_mask is None,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return attended[0].transpose(0, 1)
 
 
 def _gather_kv(
@@ -149,77 +249,19 @@ def paged_prefill_attention_ref(
 ) -> torch.Tensor:
     """Torch reference of ``paged_prefill_attention``: float32 math, every sequence's queries padded
     to the batch's longest (sequences with one new token take the decode reference)."""
-    args = (q, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, scale)
-    return _split_prefill(*args, decode=paged_decode_attention_ref, chunks=_padded_prefill_ref)
-
-
-# (q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale) -> out: sequences with >1 new token
-PrefillChunks = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-    torch.Tensor,
-]
-
-
-def _split_prefill(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    decode: DecodeAttention,
-    chunks: PrefillChunks,
-) -> torch.Tensor:
-    """Varlen prefill as two calls: sequences with one new token through ``decode`` (so decode
-    tokens in a mixed batch cost no padding), the prompt chunks through ``chunks``."""
     q_lens = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
     single = q_lens == 1
-    if bool(single.all()):
-        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale)
-    if not bool(single.any()):
-        return chunks(q, k_cache, v_cache, block_tables, q_lens, seq_lens, scale)
     single_token = torch.repeat_interleave(single, q_lens)
     multi = ~single
     out = torch.empty_like(q)
-    out[single_token] = decode(
-        q[single_token], k_cache, v_cache, block_tables[single], seq_lens[single], scale
-    )
-    out[~single_token] = chunks(
-        q[~single_token], k_cache, v_cache, block_tables[multi], q_lens[multi], seq_lens[multi], scale
-    )
-    return out
-
-
-def _prefill_chunks_sdpa(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    q_lens: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """The CPU forward path for prompt chunks: one SDPA per sequence over its own keys, in the
-    cache's dtype (torch's CPU flash attention keeps scores, softmax and sums in float32 and runs
-    bfloat16 GEMMs on the matrix units: 2-4x the float32 upcast), causal without a mask when the
-    chunk has no cached prefix (the kernel then skips the blocks above the diagonal)."""
-    out = torch.empty_like(q)
-    start = 0
-    for row, (q_len, seq_len) in enumerate(zip(q_lens.tolist(), seq_lens.tolist(), strict=True)):
-        k, v, _ = _gather_kv(k_cache, v_cache, block_tables[row : row + 1], seq_lens[row : row + 1])
-        chunk = q[start : start + q_len].transpose(0, 1)[None]
-        if q_len == seq_len:  # keys past the prompt sit past every query: top-left causal is exact
-            mask, causal = None, True
-        else:
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-            mask, causal = torch.arange(k.shape[2], device=q.device)[None, :] <= q_pos[:, None], False
-        attended = F.scaled_dot_product_attention(
-            chunk, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    if bool(single.any()):
+        out[single_token] = paged_decode_attention_ref(
+            q[single_token], k_cache, v_cache, block_tables[single], seq_lens[single], scale
         )
-        out[start : start + q_len] = attended[0].transpose(0, 1)
-        start += q_len
+    if bool(multi.any()):
+        out[~single_token] = _padded_prefill_ref(
+            q[~single_token], k_cache, v_cache, block_tables[multi], q_lens[multi], seq_lens[multi], scale
+        )
     return out
 
 

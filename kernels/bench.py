@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from kernels import (
+    VarlenLayout,
     gather_blocks,
     paged_decode_attention,
     paged_prefill_attention,
@@ -146,13 +147,14 @@ def measure(s: BenchShape, device: torch.device) -> list[Row]:
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
     mix_seq_lens = torch.tensor(mix_lens, dtype=torch.int32, device=device)
     scale = s.head_dim**-0.5
+    mix_layout = VarlenLayout.build(q_lens, mix_lens, mix_tables, s.block_size)
 
     def decode() -> torch.Tensor:
         return paged_decode_attention(dec_q, k_cache, v_cache, dec_tables, dec_seq_lens, scale)
 
     def mixed() -> torch.Tensor:
         return paged_prefill_attention(
-            mix_q, k_cache, v_cache, mix_tables, cu, mix_seq_lens, scale, max(q_lens)
+            mix_q, k_cache, v_cache, mix_tables, cu, mix_seq_lens, scale, mix_layout
         )
 
     cases = [

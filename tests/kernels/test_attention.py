@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import paged_decode_attention, paged_prefill_attention
+from kernels import VarlenLayout, paged_decode_attention, paged_prefill_attention
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.dispatch import forced
 from tests.kernels.conftest import DEVICE
@@ -133,6 +133,23 @@ def test_cpu_prefill_matches_dense_attention(case: Case, seqs: list[tuple[int, i
     with forced("torch"):
         out = paged_prefill_attention(
             q, paged.k_cache, paged.v_cache, paged.block_tables, cu, paged.seq_lens, scale
+        )
+    _assert_matches_dense(out, q, cu, paged, scale)
+
+
+@pytest.mark.parametrize("seqs", [MIXED, [(17, 1), (33, 1), (40, 9), (23, 23)]], ids=["indexed", "sliced"])
+@pytest.mark.parametrize("case", CASES)
+def test_step_layout_from_host_lists_matches_dense_attention(case: Case, seqs: list[tuple[int, int]]) -> None:
+    # the model runner's path: the layout built once from host lists (decode rows leading: one
+    # slice; anywhere else: indexed), then read by the layer's attention without a sync
+    paged, q, cu, scale = _inputs(case, seqs, seed=20)
+    q_lens, seq_lens = [m for _, m in seqs], [n for n, _ in seqs]
+    layout = VarlenLayout.build(q_lens, seq_lens, paged.block_tables, case[0])
+    assert layout.num_decodes == q_lens.count(1) and layout.max_query_len == max(q_lens)
+    assert isinstance(layout.decode_rows, slice) == (seqs[0][1] == 1)
+    with forced("torch"):
+        out = paged_prefill_attention(
+            q, paged.k_cache, paged.v_cache, paged.block_tables, cu, paged.seq_lens, scale, layout
         )
     _assert_matches_dense(out, q, cu, paged, scale)
 
