@@ -264,6 +264,7 @@ async def _serve(config: CoordinatorConfig) -> int:
 
     from coordinator.app import Coordinator
     from splitserve.control_auth import ControlKeyError
+    from splitserve.heap import freeze_heap
     from splitserve.progress import announce
 
     log = structlog.get_logger("coordinator")
@@ -274,6 +275,7 @@ async def _serve(config: CoordinatorConfig) -> int:
     except ControlKeyError as exc:
         log.error("bad control-plane key configuration", error=str(exc))
         return 2
+    freeze_heap()  # before the readiness line: nothing is served while it runs
     print("SPLITSERVE_READY " + json.dumps(app.ready_info()), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

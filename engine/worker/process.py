@@ -28,6 +28,7 @@ from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
 from splitserve.control_auth import ControlKeyError
+from splitserve.heap import freeze_heap
 from splitserve.v1 import control_pb2, serving_pb2
 
 log = structlog.get_logger(__name__)
@@ -200,6 +201,7 @@ async def _main(settings: WorkerSettings, role_class: type[WorkerRole]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.control.request_stop)
+    freeze_heap()  # the model and imports, out of every later full collection's walk
     sys.stdout.write(READY_PREFIX + json.dumps(info) + "\n")
     sys.stdout.flush()
     try:

@@ -37,6 +37,7 @@ from splitserve.bench.metrics import (
 from splitserve.bench.progress import ProgressBar
 from splitserve.bench.workload import Item, arrivals
 from splitserve.cluster import ClusterSpec, LocalCluster
+from splitserve.heap import freeze_heap
 
 BUDGET_FLAG = "--max-num-batched-tokens"  # the engine's per-step (chunked-prefill) token budget
 CAP_FLAG = "--prefill-tokens-while-decoding"  # a decode worker's prompt tokens per step beside decodes
@@ -210,6 +211,7 @@ def _sweep(
         bar = ProgressBar(f"{v.name} @ {rate:g} req/s", len(items))
         offsets = arrivals(len(items), rate, plan.seed + 1)
         cpu0 = cpu_seconds(served.pids)
+        freeze_heap()  # no full collection walks the earlier rates' traces while this one is timed
         traces, duration = asyncio.run(
             run_load(address, items, offsets, timeout=plan.request_timeout, on_done=bar.advance)
         )
