@@ -10,7 +10,7 @@ Prefill worker: the READY one with the lowest *estimated TTFT*
     queued = queued uncached tokens it reported + tokens placed on it since
     compute(n, per_step) = n x cost_per_token + ceil(n / per_step) x step_base
 
-where cost_per_token and step_base are the worker's measured step cost (engine/worker/step_cost.py:
+where cost_per_token and step_base are the worker's measured step cost (engine/step_cost.py:
 time ~ base + tokens x cost; no base term until it reports its budget and base). A worker whose
 steps have not yet given a slope (step base 0: its report is the average per token) borrows the
 mean fitted cost of the workers that have one: a decode worker that has only decoded reports a

@@ -37,10 +37,11 @@ import structlog
 from engine.kv_manager import cdiv
 from engine.scheduler import ScheduledSequence
 from engine.sequence import Sequence
+from engine.step_cost import ema
 from engine.worker.convert import engine_request_id, sampling_params, tokens_message
 from engine.worker.record import WorkerRequest
 from engine.worker.role import WorkerParts, WorkerRole
-from engine.worker.stepper import StepReport, ema
+from engine.worker.stepper import StepReport
 from engine.worker.transfer import TransferPlane, session_key
 from kvtransfer import RecvSession, SessionAborted, SessionState, TransportError, new_session_secret
 from kvtransfer.lanes import transport_label

@@ -35,7 +35,10 @@ class EngineConfig:
     `prefill_tokens_while_decoding` (0: off) caps the prompt tokens of a step that also carries a
     running decode, so a prompt prefilled beside decodes (a decode worker's local prefill) adds at
     most that many tokens of compute to their inter-token latency; a step with no decode uses the
-    whole budget.
+    whole budget. `prefill_ms_while_decoding` (0: off) caps them by time instead (or as well: the
+    lower cap wins): as many prompt tokens as that many milliseconds buy at the engine's measured
+    cost of a prompt token beside decodes (`Scheduler.prompt_tokens_while_decoding`), so the bound
+    on a running request's step holds on a host whose prompt tokens cost twice another's.
     `long_prefill_token_threshold` (0: off; vLLM's flag of that name, with its default of one long
     partial prefill) caps the chunk any one prompt takes of a step and lets one prompt with more
     tokens left than that run at a time (the oldest); shorter prompts go before its chunk, which
@@ -56,6 +59,7 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 256 << 20
     max_num_batched_tokens: int = 512
     prefill_tokens_while_decoding: int = 0
+    prefill_ms_while_decoding: float = 0.0
     long_prefill_token_threshold: int = 0
     max_num_seqs: int = 64
     max_model_len: int | None = None
@@ -73,8 +77,12 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        for name in ("prefill_tokens_while_decoding", "long_prefill_token_threshold"):
-            if getattr(self, name) < 0:
+        for name in (
+            "prefill_tokens_while_decoding",
+            "long_prefill_token_threshold",
+            "prefill_ms_while_decoding",
+        ):
+            if not getattr(self, name) >= 0:  # also refuses NaN
                 raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
 
     @property

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,8 +20,11 @@ from engine.sampler import make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler, SchedulerOutput
 from engine.sequence import FinishReason, Sequence
+from engine.step_cost import EMA_WEIGHT, StepCost, ema
 
 log = structlog.get_logger(__name__)
+
+_COLD_STEPS = 2  # a worker's first steps run cold (allocator, thread pool, caches): no cost from them
 
 
 @dataclass(slots=True)
@@ -80,6 +84,9 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, num_blocks, model_cfg.eos_token_ids, self.device)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
+        self.decode_step_ms = 0.0  # a decode-only step's time, moving average (`_observe_cost`)
+        self._cold_steps = _COLD_STEPS
+        self._prompt_cost = StepCost(EMA_WEIGHT, cold_steps=0)  # prompt tokens -> the ms they add
         log.info(
             "engine ready",
             model=str(loaded.model_dir),
@@ -186,6 +193,23 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def _observe_cost(self, out: SchedulerOutput, ms: float) -> None:
+        """The step costs the engine keeps: `decode_step_ms`, a moving average of steps without prompt
+        work, and the scheduler's `prompt_cost` (its `prefill_ms_while_decoding` cap), what the
+        prompt tokens of the other steps added beyond that, fitted as fixed + tokens x per-token
+        (`StepCost`: the first prompt tokens of a step cost a few ms more than later ones, and an
+        average per token would charge that to every token, shrinking the cap step by step to one
+        token). The first `_COLD_STEPS` are left out."""
+        if self._cold_steps > 0:
+            self._cold_steps -= 1
+            return
+        prompt = sum(item.num_new_tokens for item in out.scheduled if item.is_prompt_chunk)
+        if not prompt:
+            self.decode_step_ms = ema(self.decode_step_ms, ms)
+        elif self.decode_step_ms > 0:
+            self._prompt_cost.observe(prompt, ms - self.decode_step_ms)
+            self.scheduler.prompt_cost = (self._prompt_cost.base_ms, self._prompt_cost.us_per_token / 1e3)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
@@ -193,7 +217,9 @@ class LLMEngine:
         out = self.schedule()
         if not out.scheduled:
             return []
-        return self.finish_step(out, self.execute(out))
+        start = time.perf_counter()
+        result = self.execute(out)
+        return self.finish_step(out, result, time.perf_counter() - start)
 
     def schedule(self) -> SchedulerOutput:
         """First part of `step`, on the thread that owns the engine: pick the step's work and allocate
@@ -208,8 +234,13 @@ class LLMEngine:
         owner neither frees nor changes those sequences before `finish_step`."""
         return self.runner.execute(out)
 
-    def finish_step(self, out: SchedulerOutput, result: StepResult) -> list[StepOutput]:
-        """Last part of `step`, on the owning thread: advance the sequences and report their outputs."""
+    def finish_step(
+        self, out: SchedulerOutput, result: StepResult, seconds: float | None = None
+    ) -> list[StepOutput]:
+        """Last part of `step`, on the owning thread: advance the sequences and report their outputs.
+        `seconds` (the step's `execute` time; None: not timed) feeds the step costs."""
+        if seconds is not None:
+            self._observe_cost(out, seconds * 1e3)
         finished = set(self.scheduler.update(out, result.sampled))
         self.stats.steps += 1
         self.stats.tokens_computed += out.num_tokens

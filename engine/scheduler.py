@@ -7,7 +7,9 @@ allow. Running decodes (one token each) take the budget before running prompt ch
 oldest first), so a long prompt is prefilled in chunks that fit beside the decodes (Sarathi-Serve's
 stall-free batching): a decode never waits for a prompt, and a step computes at most the budget.
 With `prefill_tokens_while_decoding` a step that carries decodes schedules at most that many prompt
-tokens, so a prefill beside running requests stretches their step by a bounded amount. Under
+tokens, so a prefill beside running requests stretches their step by a bounded amount; with
+`prefill_ms_while_decoding`, at most the tokens that many milliseconds buy at the measured cost of a
+prompt token beside decodes (`prompt_cost`, which the engine updates after every step). Under
 `long_prefill_token_threshold` short prompts go before the one long prompt's chunk, which fills the
 step up to the threshold after them (`_LongPromptSlot`). When the pool is short, the newest running
 sequence not yet scheduled this step is preempted: its blocks are freed and it returns to the front
@@ -89,6 +91,12 @@ class ScheduledSequence:
     num_new_tokens: int
 
     @property
+    def is_prompt_chunk(self) -> bool:
+        """Prompt work (a prompt's chunk, or a re-prefill's), not a running sequence's one decode
+        token: the same split the per-step prefill budget makes."""
+        return self.num_new_tokens > 1 or self.seq.num_computed_tokens < self.seq.num_prompt_tokens
+
+    @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its last token is sampled."""
         return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
@@ -115,6 +123,22 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # what prompt tokens add to a step carrying decodes, measured: (fixed ms, ms a token);
+        # LLMEngine's step accounting writes it; a slope of 0: not yet measured, no time cap
+        self.prompt_cost = (0.0, 0.0)
+
+    def prompt_tokens_while_decoding(self) -> int:
+        """The cap on a step's prompt tokens beside running decodes (0: none): the token cap, and the
+        time cap in tokens at the measured cost, `(ms - fixed) / per_token` (at least one token, so a
+        prompt always advances; none until a cost is measured). What the scheduler applies and the
+        worker reports."""
+        cap = self.config.prefill_tokens_while_decoding
+        ms = self.config.prefill_ms_while_decoding
+        fixed, per_token = self.prompt_cost
+        if ms > 0 and per_token > 0:
+            by_time = max(1, int((ms - fixed) / per_token))
+            cap = min(cap, by_time) if cap else by_time
+        return cap
 
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
@@ -161,8 +185,9 @@ class Scheduler:
         preempted: list[Sequence] = []
         taken: set[Sequence] = set()
         decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
-        cap = self.config.prefill_tokens_while_decoding
-        prefill = prefill_budget(budget, cap, decodes)  # prompt tokens left this step
+        prefill = prefill_budget(
+            budget, self.prompt_tokens_while_decoding(), decodes
+        )  # prompt tokens left this step
         threshold = self.config.long_prefill_token_threshold
         chunk = threshold or budget  # one prompt's share of a step
         # under the threshold, one long prompt (more than `chunk` tokens left) at a time, oldest
@@ -171,7 +196,7 @@ class Scheduler:
         long_slot = _LongPromptSlot.for_step(threshold, min(self.kv.block_size, chunk), self.waiting)
         # decodes first, then prompt chunks (short ones, then the long one; each oldest first): a
         # prefill only gets the budget the running decodes leave (and, beside decodes, at most
-        # prefill_tokens_while_decoding), so it never delays their next token by more than that
+        # prompt_tokens_while_decoding()), so it never delays their next token by more than that
         for seq in sorted(self.running, key=long_slot.order):
             if budget <= 0:
                 break

@@ -271,10 +271,10 @@ class WorkerRole:
             long_prefill_token_threshold=threshold,
             running_requests=len(sched.running),
             step_token_budget=config.max_num_batched_tokens,
-            prefill_tokens_while_decoding=config.prefill_tokens_while_decoding,
+            prefill_tokens_while_decoding=sched.prompt_tokens_while_decoding(),
             prefill_us_per_token=self.stepper.cost.us_per_token,
             step_base_ms=self.stepper.cost.base_ms,
-            decode_step_ms=self.stepper.decode_step_ms,
+            decode_step_ms=self.engine.decode_step_ms,
             prefix_cache_query_tokens=self.prefix_query_tokens,
             prefix_cache_hit_tokens=self.prefix_hit_tokens,
         )

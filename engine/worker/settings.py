@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import DTYPES, EngineConfig
 from engine.model_dir import MODEL_HELP
+from splitserve.argtypes import non_negative_float
 from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
 
 ROLES = ("prefill", "decode", "colocated")
@@ -170,6 +171,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         "bounds their inter-token latency; 0: the step budget)",
     )
     a(
+        "--prefill-ms-while-decoding",
+        type=non_negative_float,
+        default=e["prefill_ms_while_decoding"],
+        help="the same cap in step time: as many prompt tokens as that many ms buy at this worker's "
+        "measured cost of a prompt token beside decodes (0: off; with both caps, the lower wins)",
+    )
+    a(
         "--long-prefill-token-threshold",
         type=int,
         default=e["long_prefill_token_threshold"],
@@ -245,6 +253,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_cache_memory_bytes=args.kv_cache_memory,
         max_num_batched_tokens=args.max_num_batched_tokens,
         prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
+        prefill_ms_while_decoding=args.prefill_ms_while_decoding,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,

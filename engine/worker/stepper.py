@@ -24,12 +24,10 @@ import structlog
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from engine.step_cost import EMA_WEIGHT, StepCost
 from engine.worker.metrics import WorkerMetrics
-from engine.worker.step_cost import StepCost
 
 log = structlog.get_logger(__name__)
-
-_EMA = 0.2  # weight of the newest step in the cost averages the router reads
 
 
 @dataclass(slots=True)
@@ -60,8 +58,7 @@ class StepLoop:
         self.engine = engine
         self.metrics = metrics
         self.handler: StepHandler | None = None
-        self.cost = StepCost(_EMA)  # the router's per-token cost and step base
-        self.decode_step_ms = 0.0
+        self.cost = StepCost(EMA_WEIGHT)  # the router's per-token cost and step base
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake = asyncio.Event()
         self._in_flight: set[Sequence] = set()
@@ -123,7 +120,7 @@ class StepLoop:
             await self.handler.on_step_failed([item.seq for item in out.scheduled], exc)
             return
         seconds = time.perf_counter() - start
-        outputs = self.engine.finish_step(out, result)
+        outputs = self.engine.finish_step(out, result, seconds)
         self._end_step()
         self._account(out, seconds)
         await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
@@ -145,10 +142,3 @@ class StepLoop:
         decode_only = out.num_tokens == len(out.scheduled)
         self.metrics.step_seconds.labels("decode" if decode_only else "prefill").observe(seconds)
         self.cost.observe(out.num_tokens, seconds * 1e3)
-        if decode_only:
-            self.decode_step_ms = ema(self.decode_step_ms, seconds * 1e3)
-
-
-def ema(old: float, new: float) -> float:
-    """The moving average the router reads: `new` alone first, then weighted by _EMA."""
-    return new if old == 0.0 else (1 - _EMA) * old + _EMA * new

@@ -27,7 +27,7 @@ from coordinator.routing_policy import FIRST_TOKEN_FROM, TPOT_GUARDS
 from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
 from splitserve.bench.host import host_info
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
-from splitserve.bench.study import CONTROL_PLANES, StudyPlan, run_study, variants
+from splitserve.bench.study import CONTROL_PLANES, StudyPlan, decode_caps, run_study, variants
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
 from splitserve.cluster import MODES
 from splitserve.serve import add_cluster_arguments, cluster_spec
@@ -135,6 +135,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the decode workers' (disaggregated, conditional) cap on prompt tokens per step beside "
         "running decodes: bounds their ITL while they prefill locally (0: none)",
     )
+    a(
+        "--prefill-ms-while-decoding",
+        type=non_negative_float,
+        default=0.0,
+        help="the same cap in step time: the prompt tokens that many ms buy at each decode worker's "
+        "measured cost of a prompt token beside decodes (0: none; with both, the lower cap)",
+    )
     a("--unloaded-probes", type=positive, default=2, help="unloaded requests per kind before each sweep")
     a("--request-timeout", type=float, default=300.0)
     a("--json", type=Path, default=None, help="write the whole study (JSON) here")
@@ -200,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         unloaded_probes=args.unloaded_probes,
         request_timeout=args.request_timeout,
         scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),
-        decode_cap=args.prefill_tokens_while_decoding,
+        decode_caps=decode_caps(args.prefill_tokens_while_decoding, args.prefill_ms_while_decoding),
     )
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
@@ -231,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
         "router_tpot_guard": args.router_tpot_guard,
         "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
+        "prefill_ms_while_decoding": args.prefill_ms_while_decoding,
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "dtype": None if args.target else args.dtype,
         "transfer_backend": None if args.target else args.transfer_backend,

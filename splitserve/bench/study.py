@@ -17,9 +17,9 @@ import asyncio
 import dataclasses
 import os
 import statistics
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ from splitserve.heap import freeze_heap
 
 BUDGET_FLAG = "--max-num-batched-tokens"  # the engine's per-step (chunked-prefill) token budget
 CAP_FLAG = "--prefill-tokens-while-decoding"  # a decode worker's prompt tokens per step beside decodes
+CAP_MS_FLAG = "--prefill-ms-while-decoding"  # the same cap in milliseconds of step time
 
 
 CONTROL_PLANES = ("curve", "plain")  # plain: --insecure-control-plane
@@ -80,12 +81,12 @@ def variants(
     return out
 
 
-def variant_spec(base: ClusterSpec, v: Variant, decode_cap: int = 0) -> ClusterSpec:
+def variant_spec(base: ClusterSpec, v: Variant, decode_caps: Sequence[str] = ()) -> ClusterSpec:
     """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget (colocated)
-    or `decode_cap` (the decode workers of the other modes; 0: none); logs in a subdirectory."""
+    or `decode_caps` (the decode workers' flags in the other modes); logs in a subdirectory."""
     extra = [] if v.chunk_budget is None else [BUDGET_FLAG, str(v.chunk_budget)]
-    if decode_cap and v.mode != "colocated":
-        extra += [CAP_FLAG, str(decode_cap)]
+    if v.mode != "colocated":
+        extra += decode_caps
     log_dir = None if base.log_dir is None else base.log_dir / v.name
     return dataclasses.replace(
         base,
@@ -125,7 +126,7 @@ class StudyPlan:
     unloaded_probes: int
     request_timeout: float
     scale_rate: float
-    decode_cap: int = 0  # the decode workers' --prefill-tokens-while-decoding (not colocated's)
+    decode_caps: list[str] = field(default_factory=list)  # the decode workers' caps (not colocated's)
 
 
 def probes(items: list[Item], per_kind: int) -> list[Item]:
@@ -278,8 +279,13 @@ def run_study(
     for v in vs:
         say(f"{v.name}: starting" if base_spec else f"{v.name}: against {target}")
         with _served(
-            None if base_spec is None else variant_spec(base_spec, v, plan.decode_cap), target
+            None if base_spec is None else variant_spec(base_spec, v, plan.decode_caps), target
         ) as served:
             ref = _sweep(served, v, plan, study, ref)
     _mark_best(study)
     return study
+
+
+def decode_caps(tokens: int, ms: float) -> list[str]:
+    """The decode workers' flags for the local-prefill caps (0: that cap off)."""
+    return [*([CAP_FLAG, str(tokens)] if tokens else []), *([CAP_MS_FLAG, f"{ms:g}"] if ms else [])]

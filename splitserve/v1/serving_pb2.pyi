@@ -1529,8 +1529,9 @@ class WorkerLoad(_message.Message):
     step_base_ms: _builtins.float
     """The fixed part of one engine step from the same fit, milliseconds; 0 until known."""
     prefill_tokens_while_decoding: _builtins.int
-    """Prompt tokens one step may carry beside running decodes (--prefill-tokens-while-decoding);
-    0: no cap beyond step_token_budget.
+    """Prompt tokens one step may carry beside running decodes now: --prefill-tokens-while-decoding,
+    or what --prefill-ms-while-decoding buys at the worker's measured cost of a prompt token beside
+    decodes, whichever is lower; 0: no cap beyond step_token_budget.
     """
     long_prefill_token_threshold: _builtins.int
     """--long-prefill-token-threshold (0: off): a prompt with more tokens left than this takes at most

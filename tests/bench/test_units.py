@@ -16,7 +16,9 @@ from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, sc
 from splitserve.bench.study import (
     BUDGET_FLAG,
     CAP_FLAG,
+    CAP_MS_FLAG,
     Variant,
+    decode_caps,
     probes,
     variant_spec,
     variants,
@@ -129,9 +131,11 @@ def test_chunk_budgets_make_colocated_variants_with_the_worker_flag() -> None:
 
 def test_the_decode_cap_goes_to_decode_workers_not_to_the_tuned_colocated_baseline() -> None:
     base = ClusterSpec(dtype="bfloat16")
-    capped = variant_spec(base, Variant("conditional"), decode_cap=16)
-    assert capped.decode_args == [CAP_FLAG, "16"] and capped.dtype == "bfloat16"
-    assert variant_spec(base, Variant("colocated", 256), decode_cap=16).decode_args == [BUDGET_FLAG, "256"]
+    caps = decode_caps(16, 7.5)
+    assert caps == [CAP_FLAG, "16", CAP_MS_FLAG, "7.5"] and decode_caps(0, 0) == []
+    capped = variant_spec(base, Variant("conditional"), caps)
+    assert capped.decode_args == caps and capped.dtype == "bfloat16"
+    assert variant_spec(base, Variant("colocated", 256), caps).decode_args == [BUDGET_FLAG, "256"]
 
 
 def test_pin_and_thread_flags_parse() -> None:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -85,6 +88,48 @@ def test_a_prefill_beside_decodes_stays_within_prefill_tokens_while_decoding(loa
     uncapped, free_steps = run(0)
     assert any(decoding and prefill > 6 for decoding, prefill in free_steps)  # the cap made the difference
     assert capped == uncapped
+
+
+def test_the_time_cap_turns_the_measured_prompt_token_cost_into_tokens(loaded: LoadedModel) -> None:
+    """`prefill_ms_while_decoding` 12: no cap until a step with prompt tokens beside decodes is
+    timed. Prompt tokens add 3 ms a step plus 2 ms each to the decode steps' 10 ms: one step of 40
+    gives only an average (83 ms / 40: cap 5), a second of another size the fit (3 + 2 x n: cap
+    (12 - 3) / 2 = 4), which later steps keep and the report says. With a token cap too the lower
+    wins; however dear a token, one still runs a step."""
+    config = EngineConfig(
+        block_size=4, num_blocks=128, max_num_batched_tokens=64, prefill_ms_while_decoding=12
+    )
+    engine = LLMEngine(loaded, config)
+    rng = random.Random(7)
+    for i in range(2):
+        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+        seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), params)
+        assert engine.reserve(seq) is not None
+        engine.join(seq, 7)
+
+    def timed_step() -> int:
+        out = engine.schedule()
+        prompt = sum(i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk)
+        engine.finish_step(out, engine.execute(out), (10.0 + (3.0 + 2.0 * prompt if prompt else 0.0)) / 1e3)
+        return prompt
+
+    assert [timed_step() for _ in range(4)] == [0] * 4  # two cold steps, then the decode steps' 10 ms
+    assert engine.decode_step_ms == 10.0 and engine.scheduler.prompt_tokens_while_decoding() == 0
+    engine.add_request("p", random_prompt(rng, 40), GREEDY)
+    assert timed_step() == 40  # not yet measured: the whole prompt beside the decodes
+    assert engine.scheduler.prompt_tokens_while_decoding() == 5
+    engine.add_request("q", random_prompt(rng, 30), GREEDY)
+    assert [timed_step() for _ in range(8)] == [5, 4, 4, 4, 4, 4, 4, 1]  # the last: one token left
+    fixed, per_token = engine.scheduler.prompt_cost
+    assert fixed == pytest.approx(3.0) and per_token == pytest.approx(2.0)
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check_integrity()
+    both = LLMEngine(loaded, replace(config, prefill_tokens_while_decoding=3))
+    both.scheduler.prompt_cost = (3.0, 2.0)
+    assert both.scheduler.prompt_tokens_while_decoding() == 3  # both caps: the lower one
+    both.scheduler.prompt_cost = (3.0, 50.0)  # dearer than the whole time cap
+    assert both.scheduler.prompt_tokens_while_decoding() == 1
 
 
 def test_a_short_prompt_behind_a_long_one_starts_next_step_under_the_threshold(loaded: LoadedModel) -> None:

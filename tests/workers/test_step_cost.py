@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.worker.step_cost import StepCost
+from engine.step_cost import StepCost
 
 
 def test_fit_separates_the_fixed_part_from_the_per_token_cost() -> None:

@@ -16,11 +16,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _MIN_VARIANCE = 1.0  # tokens^2: below it every step had about the same size and no slope is known
+EMA_WEIGHT = 0.2  # the newest step's weight in the moving averages of step costs
+
+
+def ema(old: float, new: float) -> float:
+    """A moving average of step costs: `new` alone first (while `old` is 0), then weighted by EMA_WEIGHT."""
+    return new if old == 0.0 else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * new
 
 
 @dataclass(slots=True)
 class StepCost:
-    """Owned by the worker's StepLoop (`observe` after each step); read by the role's load report.
+    """Owned by a worker's StepLoop (`observe` after each step); read by the role's load report.
     `alpha` is the newest step's weight in the moving moments; the first `cold_steps` are ignored."""
 
     alpha: float = 0.2
