@@ -163,20 +163,8 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     missing = nixl_sweep.nixl_missing()
     for backend in [b for b in cfg.backends if b.startswith("nixl")]:
         why = missing
-        if backend == "nixl-raw":
-            why = (
-                why
-                or (
-                    "the nixl-raw row has no --model-shape mode (only its --raw-sizes rows)"
-                    if cfg.model_shape and not cfg.sizes
-                    else None
-                )
-                or (
-                    "the nixl-raw row keeps its rings in host memory (no --device)"
-                    if cfg.device != "cpu"
-                    else None
-                )
-            )
+        if backend == "nixl-raw" and cfg.device != "cpu":
+            why = why or "the nixl-raw row keeps its buffers in host memory (no --device)"
         if why:
             print(f"{backend}: skipped ({why})", file=sys.stderr)
             cfg.backends.remove(backend)
@@ -213,7 +201,7 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
         )
         print(f"{kind}, buffers rotated through {ring} per size):")
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
-    shaped = [b for b in cfg.backends if b != "nixl-raw"] if cfg.model_shape else []
+    shaped = list(cfg.backends) if cfg.model_shape else []
     progress = report.Progress(
         len(cfg.backends) * len(cfg.sizes) * len(cfg.depths) + len(shaped) * len(cfg.tokens)
     )
@@ -225,7 +213,9 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
             rows += await get_loops.get_sweep(cfg, memcpy, progress)
         elif cfg.sizes:
             rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
-        if backend in shaped:
+        if backend in shaped and backend == "nixl-raw":
+            rows += await nixl_sweep.nixl_model_sweep(cfg, memcpy_for, progress)
+        elif backend in shaped:
             rows += await model_sweep.model_sweep(cfg, backend, memcpy_for, progress)
     model_sweep.add_raw_ratios(rows)
     raw_rows = [r for r in rows if r["mode"] == "raw"]

@@ -100,7 +100,7 @@ async def model_sweep(
                 if i:
                     times.append(moved["seconds"])
             rows.append(
-                _row(
+                model_row(
                     cfg, backend, agents, tokens, n, layout.block_bytes, messages, times, verified, memcpy_for
                 )
             )
@@ -110,7 +110,7 @@ async def model_sweep(
     return rows
 
 
-def _row(
+def model_row(
     cfg: runner.BenchConfig,
     backend: str,
     agents: runner.Agents,

@@ -3,11 +3,14 @@
     python -m kvtransfer.bench.nixl_agent [--progress-thread] [--control-port P]
 
 It prints `KVAGENT-READY {"control": ..., "name": ...}` and answers the JSON requests of
-`control.AgentClient` one at a time until `shutdown`. It holds one ring of buffers (`bench_loops.new_ring`,
-registered with NIXL), so the NIXL row rotates through the same bytes beyond the LLC as ours. The
-initiator of a run (the sender for WRITE, the receiver for READ) posts one-sided transfers, ring buffer
-i to ring buffer i; the target only progresses (without NIXL's progress thread) until the initiator's
-closing notification. This is a benchmark peer for trusted hosts: the control channel is not
+`control.AgentClient` one at a time until `shutdown`. For the raw rows it holds one ring of buffers
+(`bench_loops.new_ring`, registered with NIXL), so the NIXL row rotates through the same bytes beyond
+the LLC as ours. The initiator of a run (the sender for WRITE, the receiver for READ) posts one-sided
+transfers, ring buffer i to ring buffer i; the target only progresses (without NIXL's progress thread)
+until the initiator's closing notification. For the model-shaped rows it holds a block-major KV cache
+of the shape and a pool churned as our agents' (`agent.fragment_pool`), registered once; the receiver
+READs a prompt's scattered blocks in one NIXL request, one descriptor per run of consecutive ids on
+both sides (`plan.coalesce_runs`, the runs our `ucx-get` pulls). This is a benchmark peer for trusted hosts: the control channel is not
 authenticated and NIXL's metadata is taken as given.
 """
 
@@ -26,9 +29,14 @@ import structlog
 import torch
 import zmq
 
+from engine.block_pool import BlockPool
+from kvtransfer.bench.agent import fragment_pool
 from kvtransfer.bench.bench_loops import cpu_seconds, new_ring, percentiles_us, ring_checksums
 from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
+from kvtransfer.bench.pattern import block_bytes, blocks_match, fill_blocks
+from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_memory import import_nixl
+from kvtransfer.plan import coalesce_runs
 
 log = structlog.get_logger(__name__)
 INIT_AGENT = "NIXL_INIT_AGENT"
@@ -48,6 +56,8 @@ class NixlBenchAgent:
         self.peer: str | None = None
         self.handles: dict[str, list[Any]] = {}
         self.dlists: list[Any] = []
+        self.pool: BlockPool | None = None  # the model-shaped rows' cache and pool (op_pool)
+        self.cache = torch.empty(0, dtype=torch.uint8)
         self.stopped = False
 
     # -- set-up -----------------------------------------------------------------------------------
@@ -73,6 +83,7 @@ class NixlBenchAgent:
         if self.registered is not None:
             self.nixl.deregister_memory(self.registered)
             self.registered = None
+        self.pool = None
 
     def op_ring(self, size: int, seed: int | None = None, ring_bytes: int | None = None) -> dict[str, Any]:
         """A fresh registered ring; returns its descriptors and the metadata of its registration."""
@@ -100,6 +111,67 @@ class NixlBenchAgent:
             for op in ("READ", "WRITE")
         }
         return {}
+
+    def op_pool(self, layout: dict[str, Any], num_blocks: int, fragment: int) -> dict[str, Any]:
+        """A registered block-major cache of `layout` whose pool has `num_blocks` free in scattered
+        runs (half as many again held, as `agent.serve --fragment` does); returns its base address,
+        block size and the registration's metadata for the peer."""
+        self._release()
+        kv = KVLayout.from_dict(layout)
+        extra = num_blocks // 2
+        self.pool = BlockPool(num_blocks + extra, kv.block_size)
+        fragment_pool(self.pool, fragment, extra)
+        self.cache = block_bytes(kv.new_cache(self.pool.num_blocks, "cpu"))
+        self.registered = self.nixl.register_memory([self.cache])
+        metadata = self.nixl.get_partial_agent_metadata(self.registered, False)
+        return {"base": self.cache.data_ptr(), "block_bytes": self.cache.shape[1], "metadata": metadata.hex()}
+
+    def op_peer_pool(self, metadata: str) -> dict[str, Any]:
+        self.nixl.add_remote_agent(bytes.fromhex(metadata))
+        return {}
+
+    def op_take(self, n: int, seed: int | None) -> dict[str, Any]:
+        """`n` blocks from the pool: filled with the pattern of `seed` (the sender), or zeroed."""
+        assert self.pool is not None, "pool first"
+        ids = self.pool.allocate(n)
+        if ids is None:
+            raise RuntimeError(f"the pool has {self.pool.num_free_blocks} free blocks, {n} asked")
+        if seed is None:
+            self.cache[ids] = 0
+        else:
+            fill_blocks(self.cache, ids, seed)
+        return {"ids": ids}
+
+    def op_give(self, ids: list[int]) -> dict[str, Any]:
+        assert self.pool is not None, "pool first"
+        self.pool.free(ids)
+        return {}
+
+    def op_match(self, ids: list[int], seed: int) -> dict[str, Any]:
+        return {"match": blocks_match(self.cache, ids, seed)}
+
+    def op_read_blocks(
+        self, ids: list[int], remote_ids: list[int], remote_base: int, tag: str
+    ) -> dict[str, Any]:
+        """Initiator: READ the peer's blocks `remote_ids` into `ids` (logical block i to i) as one
+        NIXL request, one descriptor per run; then notify `tag`. `seconds`: building the request
+        to its completion, as a decode worker would pay per prompt."""
+        assert self.peer is not None, "connect first"
+        size, base = self.cache.shape[1], self.cache.data_ptr()
+        t0 = time.perf_counter()
+        runs = coalesce_runs(remote_ids, ids)
+        local = self.nixl.get_xfer_descs([(base + r.dst * size, r.n * size, 0) for r in runs], "DRAM")
+        remote = self.nixl.get_xfer_descs([(remote_base + r.src * size, r.n * size, 0) for r in runs], "DRAM")
+        handle = self.nixl.initialize_xfer("READ", local, remote, self.peer)
+        state = self.nixl.transfer(handle)
+        while state == "PROC":
+            state = self.nixl.check_xfer_state(handle)
+        seconds = time.perf_counter() - t0
+        self.nixl.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL READ of {len(runs)} runs ended {state}")
+        self.nixl.send_notif(self.peer, tag.encode())
+        return {"seconds": seconds, "gets": len(runs)}
 
     def op_checksums(self, used: int) -> dict[str, Any]:
         return {"checksums": ring_checksums(self.ring, used)}

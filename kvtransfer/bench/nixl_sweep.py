@@ -6,6 +6,13 @@ buffer on both sides, GB/s from the span between the first and the last completi
 (READ or WRITE, NIXL's progress thread off or on) is measured and the row reports the best verified
 one (`transport` names it; `nixl_variants` holds all). Without the progress thread the target
 progresses NIXL itself until the initiator's closing notification (as nixlbench's target does).
+
+Its `--model-shape` rows move a prompt's KV as `model_sweep` moves ours: both agents hold a
+block-major cache of the shape with a churned pool (`nixl_agent.op_pool`), the sender fills the
+prompt's blocks, and the receiver READs them all in one NIXL request (one descriptor per run of ids
+consecutive on both sides), the progress thread off; the last repeat is verified block by block.
+One request for the whole prompt is NIXL's best case: our `ucx-get` row pulls chunk by chunk
+(`--chunk-tokens`), as the decode worker does while the prompt is prefilled.
 """
 
 from __future__ import annotations
@@ -15,11 +22,13 @@ import math
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
+from kvtransfer.bench import model_sweep
 from kvtransfer.bench.control import AgentClient, spawn_agent
 from kvtransfer.bench.report import Progress, Row, format_size
-from kvtransfer.bench.runner import Agents, BenchConfig, agent_cpus, raw_row
+from kvtransfer.bench.runner import Agents, BenchConfig, agent_cpus, model_layout, raw_row
 from kvtransfer.nixl_memory import import_nixl
 
 VARIANTS = {
@@ -138,4 +147,54 @@ async def nixl_sweep(cfg: BenchConfig, memcpy: dict[int, float], progress: Progr
         best["verified"] = all(r["verified"] for r in candidates)
         rows.append(best)
         progress.step(f"nixl-raw {format_size(size)} depth {depth}")
+    return rows
+
+
+async def nixl_model_sweep(
+    cfg: BenchConfig, memcpy_for: Callable[[int], float], progress: Progress
+) -> list[Row]:
+    """One model-shaped row per prompt length (module docstring), `model_sweep`'s row format."""
+    assert cfg.model_shape is not None
+    layout = model_layout(cfg.model_shape, cfg.block_size)
+    max_blocks = max(-(-t // cfg.block_size) for t in cfg.tokens)
+    agents = await _start(cfg, thread=False)
+    rows = []
+    try:
+        await agents.recv.call("pool", layout=layout.to_dict(), num_blocks=max_blocks, fragment=1)
+        source = await agents.send.call("pool", layout=layout.to_dict(), num_blocks=max_blocks, fragment=2)
+        await agents.recv.call("peer_pool", metadata=source["metadata"])
+        for tokens in cfg.tokens:
+            n = -(-tokens // cfg.block_size)
+            times, verified, gets = [], True, 0
+            for i in range(cfg.repeats + 1):  # the first is the warm-up
+                src = (await agents.send.call("take", n=n, seed=i))["ids"]
+                dst = (await agents.recv.call("take", n=n, seed=None))["ids"]
+                tag = uuid.uuid4().hex
+                read: dict[str, Any]
+                read, _ = await asyncio.gather(
+                    agents.recv.call(
+                        "read_blocks",
+                        ids=dst,
+                        remote_ids=src,
+                        remote_base=source["base"],
+                        tag=tag,
+                        timeout=600,
+                    ),
+                    agents.send.call("progress", tag=tag, timeout=600),
+                )
+                if i == cfg.repeats:
+                    verified = bool((await agents.recv.call("match", ids=dst, seed=i))["match"])
+                await agents.recv.call("give", ids=dst)
+                await agents.send.call("give", ids=src)
+                gets = read["gets"]
+                if i:
+                    times.append(read["seconds"])
+            row = model_sweep.model_row(
+                cfg, "nixl-raw", agents, tokens, n, source["block_bytes"], gets, times, verified, memcpy_for
+            )
+            row["transport"] = "nixl:UCX READ thread off"
+            rows.append(row)
+            progress.step(f"nixl-raw {cfg.model_shape} {tokens} tokens")
+    finally:
+        await agents.close()
     return rows

@@ -93,3 +93,31 @@ def test_nixl_row_is_verified_and_reports_a_ratio(tmp_path: Path) -> None:
     assert len(row["nixl_variants"]) == len(VARIANTS)
     assert row["transport"] in row["nixl_variants"] and row["transport"].startswith("nixl:UCX ")
     assert row["gbps"] == max(row["nixl_variants"].values())
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
+def test_nixl_model_rows_read_a_prompts_scattered_blocks_verified(tmp_path: Path) -> None:
+    """`--model-shape` for the peer row: the receiver READs a prompt's blocks from the sender's
+    churned pool into its own in one NIXL request, one descriptor per run consecutive on both sides."""
+    out = tmp_path / "rows.jsonl"
+    argv = [
+        "run",
+        "--backend",
+        "nixl-raw",
+        "--model-shape",
+        "llama-2l",
+        "--tokens",
+        "100,1k",
+        "--repeats",
+        "1",
+    ]
+    assert cli.main([*argv, "--json", str(out), "--agent-log", str(tmp_path / "a.log")]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["backend"], r["tokens"], r["blocks"]) for r in rows] == [
+        ("model", "nixl-raw", 100, 7),
+        ("model", "nixl-raw", 1024, 64),
+    ]
+    assert all(
+        r["verified"] and r["transfer_ms"] > 0 and r["transport"] == "nixl:UCX READ thread off" for r in rows
+    )
+    assert 1 < rows[1]["messages"] < rows[1]["blocks"]  # fragmented on both sides, runs coalesced
