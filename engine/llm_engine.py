@@ -84,9 +84,11 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv, num_blocks, model_cfg.eos_token_ids, self.device)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
-        self.decode_step_ms = 0.0  # a decode-only step's time, moving average (`_observe_cost`)
-        self._cold_steps = _COLD_STEPS
+        # step costs, from every timed step (`_observe_cost`)
+        self.step_cost = StepCost(EMA_WEIGHT, cold_steps=0)  # all tokens -> step ms: the router's fit
+        self.decode_step_ms = 0.0  # a step without prompt work, moving average
         self._prompt_cost = StepCost(EMA_WEIGHT, cold_steps=0)  # prompt tokens -> the ms they add
+        self._cold_steps = _COLD_STEPS
         log.info(
             "engine ready",
             model=str(loaded.model_dir),
@@ -194,8 +196,9 @@ class LLMEngine:
         return self.pool.num_free_blocks
 
     def _observe_cost(self, out: SchedulerOutput, ms: float) -> None:
-        """The step costs the engine keeps: `decode_step_ms`, a moving average of steps without prompt
-        work, and the scheduler's `prompt_cost` (its `prefill_ms_while_decoding` cap), what the
+        """The step costs the engine keeps: `step_cost`, the fit over every step's tokens the router
+        prices prompts by (its workers report it); `decode_step_ms`, a moving average of steps without
+        prompt work; and the scheduler's `prompt_cost` (its `prefill_ms_while_decoding` cap), what the
         prompt tokens of the other steps added beyond that, fitted as fixed + tokens x per-token
         (`StepCost`: the first prompt tokens of a step cost a few ms more than later ones, and an
         average per token would charge that to every token, shrinking the cap step by step to one
@@ -203,6 +206,7 @@ class LLMEngine:
         if self._cold_steps > 0:
             self._cold_steps -= 1
             return
+        self.step_cost.observe(out.num_tokens, ms)
         prompt = sum(item.num_new_tokens for item in out.scheduled if item.is_prompt_chunk)
         if not prompt:
             self.decode_step_ms = ema(self.decode_step_ms, ms)

@@ -90,7 +90,6 @@ class ModelRunner:
             seq_lens=t(seq_lens, torch.int32),
             cu_seqlens_q=t(cu, torch.int32),
             sample_indices=t(sample_indices, torch.int64),
-            is_decode_only=decode_only,
             layout=None
             if decode_only
             else VarlenLayout.build(q_lens, seq_lens, block_tables, self.kv.block_size),

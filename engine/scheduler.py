@@ -93,7 +93,9 @@ class ScheduledSequence:
     @property
     def is_prompt_chunk(self) -> bool:
         """Prompt work (a prompt's chunk, or a re-prefill's), not a running sequence's one decode
-        token: the same split the per-step prefill budget makes."""
+        token. Unlike the budget split in `schedule` (which counts any one-token remainder with the
+        decodes), a prompt's last single token is prompt work here: under a one-token time cap every
+        prompt step is such a token, and the step-cost fit must still see it."""
         return self.num_new_tokens > 1 or self.seq.num_computed_tokens < self.seq.num_prompt_tokens
 
     @property

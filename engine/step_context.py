@@ -33,8 +33,12 @@ class StepContext:
     seq_lens: torch.Tensor  # [B] int32: kv length per sequence including this step's tokens
     cu_seqlens_q: torch.Tensor  # [B+1] int32
     sample_indices: torch.Tensor  # [S] int64 into the flat tokens
-    is_decode_only: bool  # every sequence contributes exactly one token
-    layout: VarlenLayout | None = None  # a step with prompt chunks: its rows, for every layer
+    layout: VarlenLayout | None  # a step with prompt chunks: its rows, for every layer; None: decode only
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every sequence contributes exactly one token."""
+        return self.layout is None
 
     @property
     def num_tokens(self) -> int:

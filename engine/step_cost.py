@@ -26,7 +26,8 @@ def ema(old: float, new: float) -> float:
 
 @dataclass(slots=True)
 class StepCost:
-    """Owned by a worker's StepLoop (`observe` after each step); read by the role's load report.
+    """Owned by the engine (`LLMEngine._observe_cost`, after each timed step); read by the role's load
+    report and the scheduler's time cap.
     `alpha` is the newest step's weight in the moving moments; the first `cold_steps` are ignored."""
 
     alpha: float = 0.2

@@ -24,7 +24,6 @@ import structlog
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
-from engine.step_cost import EMA_WEIGHT, StepCost
 from engine.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
@@ -58,7 +57,6 @@ class StepLoop:
         self.engine = engine
         self.metrics = metrics
         self.handler: StepHandler | None = None
-        self.cost = StepCost(EMA_WEIGHT)  # the router's per-token cost and step base
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake = asyncio.Event()
         self._in_flight: set[Sequence] = set()
@@ -141,4 +139,3 @@ class StepLoop:
     def _account(self, out: SchedulerOutput, seconds: float) -> None:
         decode_only = out.num_tokens == len(out.scheduled)
         self.metrics.step_seconds.labels("decode" if decode_only else "prefill").observe(seconds)
-        self.cost.observe(out.num_tokens, seconds * 1e3)
