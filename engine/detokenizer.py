@@ -148,10 +148,19 @@ class IncrementalDetokenizer:
         return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
 
     def _decode_next(self) -> str:
-        """New committed text from ids past `read_offset`, or "" while a character is incomplete."""
+        """New committed text from ids past `read_offset`, or "" while a character is incomplete
+        (unless the complete text before it already holds a stop string: then that text, which
+        ends the request)."""
         full = self._decode(self._ids)
-        if len(full) <= len(self._prefix_text) or full.endswith(_REPLACEMENT_CHAR):
+        if len(full) <= len(self._prefix_text):
             return ""
+        if full.endswith(_REPLACEMENT_CHAR):
+            # Not committed: a later token may still change it. A stop string in it ends the
+            # request here, as it would in the text decoded after this token.
+            complete = full.rstrip(_REPLACEMENT_CHAR)[len(self._prefix_text) :]
+            if not self._stop or self._find_stop(self._tail + complete, len(self._tail)) is None:
+                return ""
+            return complete
         new_text = full[len(self._prefix_text) :]
         # Advance the window and drop ids no later decode will look at.
         del self._ids[: self._read_offset]

@@ -58,7 +58,8 @@ class RequestTrace:
     @property
     def first_gap_ms(self) -> float | None:
         """Token 1 -> 2 (a remote request's hop unless its first token waited for the decode worker);
-        None with fewer than two tokens."""
+        None with fewer than two tokens, 0 when both came in one Delta (the coordinator sends what it
+        has queued as one)."""
         return (self.token_times[1] - self.token_times[0]) * 1e3 if len(self.token_times) > 1 else None
 
     @property
