@@ -9,7 +9,8 @@ C++ compiler are needed), logging that it does. Where that fails too, or ``SPLIT
 is set, ``load()`` returns ``None`` after one warning and every caller runs the torch reference.
 
 Kernels here (float32 and bfloat16), each the CPU twin of a Triton kernel or a torch reference with
-its semantics: ``paged_decode_attention``, ``write_kv_slots`` and the elementwise steps of
+its semantics: ``paged_decode_attention`` (bfloat16 on AVX512-BF16 CPUs by its own kernel, reported by
+``has_bf16_dot()``), ``write_kv_slots`` and the elementwise steps of
 ``kernels.fused``.
 """
 
@@ -63,7 +64,13 @@ def load() -> ModuleType | None:
             log.warning("cpu kernels unavailable; using torch references", error=str(exc)[:500])
             return None
         source = "built"
-    log.info("cpu kernels loaded", isa=isa, source=source, seconds=round(time.perf_counter() - start, 2))
+    log.info(
+        "cpu kernels loaded",
+        isa=isa,
+        bf16_dot=module.has_bf16_dot(),
+        source=source,
+        seconds=round(time.perf_counter() - start, 2),
+    )
     return module
 
 

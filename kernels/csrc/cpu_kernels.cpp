@@ -1,8 +1,10 @@
 // The CPU twins of two Triton kernels, with the semantics of their torch references: paged decode
 // attention (one new token per sequence, KV blocks read in place through the block table: no gather
-// into a padded copy; float32 or bfloat16 caches, float32 math) and the KV slot write (float32). setup.py builds this file (and
-// kernels/cpu_ext.py as a fallback) with -DSPLITSERVE_SOURCE_DIGEST=d<sha256 of the sources>, which the
-// module exports so that a library older than the source is never loaded.
+// into a padded copy; float32 or bfloat16 caches, float32 math; for bfloat16 on AVX512-BF16 CPUs a
+// second kernel that takes its scores with vdpbf16ps, chosen at run time) and the KV slot write.
+// setup.py builds this file (and kernels/cpu_ext.py as a fallback) with
+// -DSPLITSERVE_SOURCE_DIGEST=d<sha256 of the sources>, which the module exports so that a library
+// older than the source is never loaded.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -29,15 +31,19 @@ inline void store8(float* p, v8 v) { __builtin_memcpy(p, &v, sizeof(v)); }
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-// eight bfloat16 widened to float32 (exact: a bfloat16 is the top half of a float32)
-inline v8 load8(const at::BFloat16* p) {
-  u16x8 h;
+// bfloat16 widened to float32, a vector of F lanes (H: as many uint16, W: as many uint32); exact: a
+// bfloat16 is the top half of a float32
+template <typename F, typename H, typename W>
+inline F widen_bf16(const at::BFloat16* p) {
+  H h;
   __builtin_memcpy(&h, p, sizeof(h));
-  const u32x8 w = __builtin_convertvector(h, u32x8) << 16;
-  v8 v;
+  const W w = __builtin_convertvector(h, W) << 16;
+  F v;
   __builtin_memcpy(&v, &w, sizeof(v));
   return v;
 }
+
+inline v8 load8(const at::BFloat16* p) { return widen_bf16<v8, u16x8, u32x8>(p); }
 
 typedef int32_t i8 __attribute__((vector_size(32)));
 
@@ -67,27 +73,30 @@ inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
 }
 
-// expf on eight lanes (Cephes' polynomial, ~2 ulp over the range softmax uses); lanes below
-// -87 give ~1e-38, not 0, which a softmax sum cannot tell apart.
-inline v8 exp8(v8 x) {
-  const v8 lo = {-87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f, -87.3f};
-  const v8 hi = {88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f, 88.3f};
+// expf lane by lane (Cephes' polynomial, ~2 ulp over the range softmax uses) for V float lanes and
+// I int32 lanes of the same count; lanes below -87 give ~1e-38, not 0, which a softmax sum cannot
+// tell apart.
+template <typename V, typename I>
+inline V exp_lanes(V x) {
+  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
   x = x < lo ? lo : x;
   x = x > hi ? hi : x;
   const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  v8 n = (x * 1.44269504088896341f + magic) - magic;
-  v8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  v8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  V n = (x * 1.44269504088896341f + magic) - magic;
+  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * (r * r) + r + 1.f;
-  const i8 bits = (__builtin_convertvector(n, i8) + 127) << 23;
-  v8 pow2;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
+  V pow2;
   __builtin_memcpy(&pow2, &bits, sizeof(pow2));
   return p * pow2;
 }
+
+inline v8 exp8(v8 x) { return exp_lanes<v8, i8>(x); }
 
 // <a, b> over n values, n a multiple of 8
 template <typename T>
@@ -256,30 +265,54 @@ inline v8 rounded(v8 x) {
 
 }  // namespace
 
-// T: the element type of q, the caches and the output (float or at::BFloat16); scores, softmax and
-// the accumulators are float32 either way, as in the torch reference.
-template <typename T>
-static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
-                             torch::Tensor& out) {
-  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2), q_token = q.stride(0);
-  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, width = block_tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t k_block = k_cache.stride(0), k_row = k_cache.stride(1);
-  const int64_t v_block = v_cache.stride(0), v_row = v_cache.stride(1);
-  const float sc = static_cast<float>(scale);
-  // query heads that share each value row loaded (a kv head's group, or a divisor of it)
-  const int64_t heads_per_pass = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+namespace {
 
-  // One task per sequence, so each K/V block is read whole, once; the `group` query heads of a kv
-  // head share every row loaded. Each thread takes a contiguous run of sequences holding ~1/threads
-  // of the keys (lengths differ).
+// What every decode kernel below shares: the split of a batch over threads and the order blocks are
+// read in. Each thread takes a contiguous run of sequences holding ~1/threads of the keys (lengths
+// differ) and reads each K/V block whole, once; while it reads one, the block kPrefetchAhead later
+// is prefetched into L2 a slice at a time (`ahead`).
+template <typename T>
+struct BlockWalk {
+  const T* k;
+  const T* v;
+  int64_t k_block, v_block, k_bytes, v_bytes;  // block strides; elements to prefetch per block
+  int64_t first_seq = 0, end_seq = 0;
+  std::vector<int64_t> visits;  // this thread's blocks, in order, across its sequences
+
+  BlockWalk(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const int32_t* tables, int64_t width,
+            const int32_t* lens, int64_t first, int64_t end)
+      : k(k_cache.data_ptr<T>()),
+        v(v_cache.data_ptr<T>()),
+        k_block(k_cache.stride(0)),
+        v_block(v_cache.stride(0)),
+        k_bytes(k_cache.size(1) * k_cache.stride(1)),
+        v_bytes(v_cache.size(1) * v_cache.stride(1)),
+        first_seq(first),
+        end_seq(end) {
+    const int64_t block_size = k_cache.size(1);
+    for (int64_t b = first_seq; b < end_seq; ++b)
+      for (int64_t i = 0; i * block_size < lens[b]; ++i) visits.push_back(tables[b * width + i]);
+    for (size_t i = 0; i < kPrefetchAhead && i < visits.size(); ++i) {
+      prefetch_slice(k + visits[i] * k_block, k_bytes, 0, 1);
+      prefetch_slice(v + visits[i] * v_block, v_bytes, 0, 1);
+    }
+  }
+
+  // slice `part` of `parts` of the block kPrefetchAhead after visit `visit`, if there is one
+  void ahead(size_t visit, int64_t part, int64_t parts) const {
+    if (visit + kPrefetchAhead >= visits.size()) return;
+    const int64_t next = visits[visit + kPrefetchAhead];
+    prefetch_slice(k + next * k_block, k_bytes, part, parts);
+    prefetch_slice(v + next * v_block, v_bytes, part, parts);
+  }
+};
+
+// `body(walk)` on each thread with its BlockWalk
+template <typename T, typename Body>
+void for_each_walk(const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                   const torch::Tensor& seq_lens, Body&& body) {
+  const int64_t num_seqs = seq_lens.size(0);
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<int64_t> bounds(num_seqs + 1, 0);
   for (int64_t b = 0; b < num_seqs; ++b) bounds[b + 1] = bounds[b] + lens[b] + 1;
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_seqs));
@@ -287,37 +320,73 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
     const auto seq_at = [&](int64_t slot) {
       return std::lower_bound(bounds.begin(), bounds.end(), bounds.back() * slot / threads) - bounds.begin();
     };
+    BlockWalk<T> walk(k_cache, v_cache, block_tables.data_ptr<int32_t>(), block_tables.size(1), lens,
+                      seq_at(first_slot), seq_at(end_slot));
+    body(walk);
+  });
+}
+
+// One sequence's online-softmax state over its query heads, float32: the running max and
+// denominator per head and the unnormalized output rows
+struct SoftmaxRows {
+  std::vector<float> acc, row_max, denom;
+  int64_t head_dim;
+
+  SoftmaxRows(int64_t num_heads, int64_t head_dim_)
+      : acc(num_heads * head_dim_), row_max(num_heads), denom(num_heads), head_dim(head_dim_) {}
+
+  void reset() {
+    std::fill(acc.begin(), acc.end(), 0.f);
+    std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
+    std::fill(denom.begin(), denom.end(), 0.f);
+  }
+
+  // the normalized rows, [num_heads, head_dim] of T at `out`
+  template <typename T>
+  void write(T* out) const {
+    for (size_t hq = 0; hq < denom.size(); ++hq)
+      for (int64_t d = 0; d < head_dim; ++d)
+        out[hq * head_dim + d] = static_cast<T>(acc[hq * head_dim + d] / denom[hq]);
+  }
+};
+
+}  // namespace
+
+// T: the element type of q, the caches and the output (float or at::BFloat16); scores, softmax and
+// the accumulators are float32 either way, as in the torch reference.
+template <typename T>
+static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                             const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                             torch::Tensor& out) {
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), q_token = q.stride(0);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const T* qp = q.data_ptr<T>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t k_row = k_cache.stride(1), v_row = v_cache.stride(1);
+  const float sc = static_cast<float>(scale);
+  // query heads that share each value row loaded (a kv head's group, or a divisor of it)
+  const int64_t heads_per_pass = group % 4 == 0 ? 4 : group % 3 == 0 ? 3 : group % 2 == 0 ? 2 : 1;
+
+  // the `group` query heads of a kv head share every row loaded
+  for_each_walk<T>(k_cache, v_cache, block_tables, seq_lens, [&](const BlockWalk<T>& walk) {
     const int64_t padded = (block_size + 7) / 8 * 8;  // score rows in whole v8 lanes
-    std::vector<float> qs(num_heads * head_dim), acc(num_heads * head_dim), scores(num_heads * padded);
+    std::vector<float> qs(num_heads * head_dim), scores(num_heads * padded), rescale(num_heads);
     std::vector<float> keys(std::is_same_v<T, float> ? 0 : block_size * head_dim);  // one kv head's block
-    std::vector<float> row_max(num_heads), denom(num_heads), rescale(num_heads);
-    // the blocks this thread reads, in order (across its sequences): while one block is read, the one
-    // kPrefetchAhead later is prefetched, a slice per query head
-    const int64_t first_seq = seq_at(first_slot), end_seq = seq_at(end_slot);
-    std::vector<int64_t> visits;
-    for (int64_t b = first_seq; b < end_seq; ++b)
-      for (int64_t i = 0; i * block_size < lens[b]; ++i) visits.push_back(tables[b * width + i]);
-    for (size_t i = 0; i < kPrefetchAhead && i < visits.size(); ++i) {
-      prefetch_slice(kp + visits[i] * k_block, block_size * k_row, 0, 1);
-      prefetch_slice(vp + visits[i] * v_block, block_size * v_row, 0, 1);
-    }
+    SoftmaxRows rows(num_heads, head_dim);
+    std::vector<float>&acc = rows.acc, &row_max = rows.row_max, &denom = rows.denom;
     size_t visit = 0;
-    for (int64_t b = first_seq; b < end_seq; ++b) {
+    for (int64_t b = walk.first_seq; b < walk.end_seq; ++b) {
       const int64_t len = lens[b];
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = static_cast<float>(qp[b * q_token + i]) * sc;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      std::fill(denom.begin(), denom.end(), 0.f);
+      rows.reset();
       for (int64_t start = 0; start < len; start += block_size, ++visit) {
-        const int64_t block = visits[visit], n = std::min(block_size, len - start);
-        const int64_t next = visit + kPrefetchAhead < visits.size() ? visits[visit + kPrefetchAhead] : -1;
+        const int64_t block = walk.visits[visit], n = std::min(block_size, len - start);
         for (int64_t hq = 0; hq < num_heads; ++hq) {
-          if (next >= 0) {
-            prefetch_slice(kp + next * k_block, block_size * k_row, hq, num_heads);
-            prefetch_slice(vp + next * v_block, block_size * v_row, hq, num_heads);
-          }
+          walk.ahead(visit, hq, num_heads);
           const int64_t h = hq / group;
-          const T* block_keys = kp + block * k_block + h * head_dim;
+          const T* block_keys = walk.k + block * walk.k_block + h * head_dim;
           const float* kb;
           int64_t kr;
           if constexpr (std::is_same_v<T, float>) {
@@ -341,7 +410,7 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
           denom[hq] = denom[hq] * rescale[hq] + std::accumulate(s, s + n, 0.f);
         }
         for (int64_t hq = 0; hq < num_heads; hq += heads_per_pass) {
-          const T* vb = vp + block * v_block + (hq / group) * head_dim;
+          const T* vb = walk.v + block * walk.v_block + (hq / group) * head_dim;
           const float* s = scores.data() + hq * padded;
           float* a = acc.data() + hq * head_dim;
           const float* r = &rescale[hq];
@@ -351,19 +420,205 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
           else accumulate_values<1>(s, padded, r, vb, v_row, n, head_dim, a);
         }
       }
-      T* ob = op + b * num_heads * head_dim;
-      for (int64_t hq = 0; hq < num_heads; ++hq)
-        for (int64_t d = 0; d < head_dim; ++d)
-          ob[hq * head_dim + d] = static_cast<T>(acc[hq * head_dim + d] / denom[hq]);
+      rows.write(op + b * num_heads * head_dim);
     }
   });
 }
 
+// The bfloat16 decode kernel on CPUs with AVX512-BF16 (built into every library, chosen at run time):
+// scores are `vdpbf16ps` dot products of the bfloat16 query and key rows as they lie in the cache
+// (exact products summed in float32: no widened copy of the keys, 32 products an instruction), then
+// scaled; softmax and the value accumulators are float32 over 16 lanes, as in the generic kernel.
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")
+#include <immintrin.h>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+
+// lane i = the sum of the lanes of v[i], i < 16 (a transpose-reduce: 15 shuffle pairs, not 16 sums)
+inline v16 lane_sums16(const v16* v) {
+  v16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i)
+    l1[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14,
+                                    30) +
+            __builtin_shufflevector(v[2 * i], v[2 * i + 1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15,
+                                    31);
+  for (int i = 0; i < 4; ++i)
+    l2[i] = __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                    29) +
+            __builtin_shufflevector(l1[2 * i], l1[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                    31);
+  for (int i = 0; i < 2; ++i)
+    l3[i] = __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                    27) +
+            __builtin_shufflevector(l2[2 * i], l2[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                    31);
+  return __builtin_shufflevector(l3[0], l3[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(l3[0], l3[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// sixteen bfloat16 widened (vector extensions, not intrinsics: GCC 12's widening intrinsics warn
+// of an uninitialized operand they never read)
+inline v16 widen16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
+
+// the lanes of v folded pairwise by `op` (max or +) into every lane; lane 0 read
+template <typename Op>
+inline float fold16(v16 v, Op op) {
+  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+  return v[0];
+}
+
+inline __m512bh load_bh(const at::BFloat16* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
+}
+
+// lanes t < n of the result = <q, k + t * k_row> over DC x 32 values, the rest 0: one vdpbf16ps per
+// 32 values, each key row loaded once
+template <int DC>
+inline v16 scores16(const __m512bh* q, const at::BFloat16* k, int64_t k_row, int64_t n) {
+  v16 acc[16];
+  for (int t = 0; t < 16; ++t) {
+    __m512 a = _mm512_setzero_ps();
+    if (t < n)
+      for (int c = 0; c < DC; ++c) a = _mm512_dpbf16_ps(a, q[c], load_bh(k + t * k_row + 32 * c));
+    acc[t] = reinterpret_cast<v16>(a);
+  }
+  return lane_sums16(acc);
+}
+
+// acc[g] = acc[g] * rescale[g] + sum_{t < n} p[g][t] * v[t] for G heads over the 16 x CH lanes at `d`
+template <int G, int CH>
+inline void accumulate16(const float (*p)[16], const float* rescale, const at::BFloat16* v, int64_t v_row, int64_t n,
+                         int64_t head_dim, int64_t d, float* acc) {
+  v16 c[G][CH];
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < CH; ++i) {
+      __builtin_memcpy(&c[g][i], acc + g * head_dim + d + 16 * i, sizeof(v16));
+      c[g][i] *= rescale[g];
+    }
+  for (int64_t t = 0; t < n; ++t) {
+    for (int i = 0; i < CH; ++i) {
+      const v16 vd = widen16(v + t * v_row + d + 16 * i);
+      for (int g = 0; g < G; ++g) c[g][i] += p[g][t] * vd;
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int i = 0; i < CH; ++i) __builtin_memcpy(acc + g * head_dim + d + 16 * i, &c[g][i], sizeof(v16));
+}
+
+// One sequence's G query heads of one kv head over a block's first n <= 16 rows, online softmax:
+// row_max/denom/acc carry the running state from the blocks before.
+template <int G, int DC>
+inline void attend_block16(const __m512bh (*q)[DC], float scale, const at::BFloat16* k, int64_t k_row,
+                           const at::BFloat16* v, int64_t v_row, int64_t n, float* row_max, float* denom,
+                           float* acc) {
+  constexpr int64_t head_dim = 32 * DC;
+  const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  const auto valid = lane < static_cast<float>(n);
+  const v16 minus_inf = v16{} - std::numeric_limits<float>::infinity();
+  const auto max = [](v16 a, v16 b) { return a > b ? a : b; };
+  const auto sum = [](v16 a, v16 b) { return a + b; };
+  float p[G][16];
+  float rescale[G];
+  for (int g = 0; g < G; ++g) {
+    const v16 s = valid ? scores16<DC>(q[g], k, k_row, n) * scale : minus_inf;
+    const float new_max = std::max(row_max[g], fold16(s, max));
+    rescale[g] = new_max > row_max[g] ? std::exp(row_max[g] - new_max) : 1.f;
+    row_max[g] = new_max;
+    const v16 e = valid ? exp_lanes<v16, i16>(s - new_max) : v16{};
+    denom[g] = denom[g] * rescale[g] + fold16(e, sum);
+    __builtin_memcpy(p[g], &e, sizeof(e));
+  }
+  // at most 8 accumulators of 16 lanes live at once, tiles that divide the head
+  constexpr int CH = std::min(G <= 2 ? 4 : 2, 2 * DC);
+  for (int64_t d = 0; d < head_dim; d += 16 * CH) accumulate16<G, CH>(p, rescale, v, v_row, n, head_dim, d, acc);
+}
+
+}  // namespace
+
+// q [B, Hq, D] bfloat16 with D a multiple of 32 and D <= 128, block_size <= 16; caches bfloat16
+template <int G, int DC>
+static void decode_attention_bf16dot(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                                     const torch::Tensor& seq_lens, double scale, torch::Tensor& out) {
+  using T = at::BFloat16;
+  constexpr int64_t head_dim = 32 * DC;
+  const int64_t num_heads = q.size(1), q_token = q.stride(0);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, passes = num_heads / G;
+  const T* qp = q.data_ptr<T>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  T* op = out.data_ptr<T>();
+  const int64_t k_row = k_cache.stride(1), v_row = v_cache.stride(1);
+  const float sc = static_cast<float>(scale);
+  for_each_walk<T>(k_cache, v_cache, block_tables, seq_lens, [&](const BlockWalk<T>& walk) {
+    SoftmaxRows rows(num_heads, head_dim);
+    size_t visit = 0;
+    for (int64_t b = walk.first_seq; b < walk.end_seq; ++b) {
+      const int64_t len = lens[b];
+      rows.reset();
+      for (int64_t start = 0; start < len; start += block_size, ++visit) {
+        const int64_t block = walk.visits[visit], n = std::min(block_size, len - start);
+        for (int64_t pass = 0; pass < passes; ++pass) {
+          walk.ahead(visit, pass, passes);
+          const int64_t hq = pass * G, h = hq / group;
+          __m512bh qh[G][DC];
+          for (int g = 0; g < G; ++g)
+            for (int c = 0; c < DC; ++c) qh[g][c] = load_bh(qp + b * q_token + (hq + g) * head_dim + 32 * c);
+          attend_block16<G, DC>(qh, sc, walk.k + block * walk.k_block + h * head_dim, k_row,
+                                walk.v + block * walk.v_block + h * head_dim, v_row, n, &rows.row_max[hq],
+                                &rows.denom[hq], rows.acc.data() + hq * head_dim);
+        }
+      }
+      rows.write(op + b * num_heads * head_dim);
+    }
+  });
+}
+
+#pragma GCC pop_options
+
+// Whether this CPU runs decode_attention_bf16dot (AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4 on)
+static bool cpu_has_bf16_dot() {
+  static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+  return has;
+}
+
+// decode_attention_bf16dot for q's shape, or false where it has no instance (the generic kernel runs)
+static bool try_bf16_dot(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                         const torch::Tensor& block_tables, const torch::Tensor& seq_lens, double scale,
+                         torch::Tensor& out) {
+  const int64_t head_dim = q.size(2), group = q.size(1) / k_cache.size(2);
+  if (q.scalar_type() != torch::kBFloat16 || k_cache.size(1) > 16 || !cpu_has_bf16_dot()) return false;
+  const auto by_group = [&](auto dc) {
+    constexpr int DC = decltype(dc)::value;
+    if (group % 4 == 0) decode_attention_bf16dot<4, DC>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    else if (group % 3 == 0) decode_attention_bf16dot<3, DC>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    else if (group % 2 == 0) decode_attention_bf16dot<2, DC>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    else decode_attention_bf16dot<1, DC>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
+    return true;
+  };
+  if (head_dim == 64) return by_group(std::integral_constant<int, 2>{});
+  if (head_dim == 128) return by_group(std::integral_constant<int, 4>{});
+  if (head_dim == 32) return by_group(std::integral_constant<int, 1>{});
+  return false;
+}
+
 // q [B, Hq, D]; k_cache/v_cache [num_blocks, block_size, Hkv, D] views whose last two dims are
 // dense, of q's dtype (float32 or bfloat16); block_tables [B, W] int32; seq_lens [B] int32 (keys
-// per sequence, the new one included). Returns [B, Hq, D] of q's dtype.
+// per sequence, the new one included). Returns [B, Hq, D] of q's dtype. `bf16_dot`: bfloat16 runs
+// the AVX512-BF16 kernel where the CPU and the shape have one (false: the generic kernel, for tests).
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale) {
+                                     torch::Tensor block_tables, torch::Tensor seq_lens, double scale,
+                                     bool bf16_dot) {
   const auto dtype = q.scalar_type();
   TORCH_CHECK(float_or_bf16(q), "paged_decode_attention (cpu): float32 or bfloat16 only");
   check_caches(k_cache, v_cache, dtype, "paged_decode_attention");
@@ -372,6 +627,7 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache, tor
   block_tables = block_tables.to(torch::kInt).contiguous();
   seq_lens = seq_lens.to(torch::kInt).contiguous();
   auto out = torch::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  if (bf16_dot && try_bf16_dot(q, k_cache, v_cache, block_tables, seq_lens, scale, out)) return out;
   by_dtype(q, [&](auto zero) {
     decode_attention<decltype(zero)>(q, k_cache, v_cache, block_tables, seq_lens, scale, out);
   });
@@ -567,6 +823,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, float32 or bfloat16, CPU");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up, float32 or bfloat16, CPU");
   m.def("apply_rotary", &apply_rotary, "rotary embedding, float32 or bfloat16, CPU");
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32 or bfloat16, CPU");
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32 or bfloat16, CPU",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+        py::arg("scale"), py::arg("bf16_dot") = true);
+  m.def("has_bf16_dot", &cpu_has_bf16_dot, "whether bfloat16 decode attention runs on AVX512-BF16 here");
   m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32 or bfloat16, CPU");
 }

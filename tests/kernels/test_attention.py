@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import VarlenLayout, paged_decode_attention, paged_prefill_attention
+from kernels import VarlenLayout, cpu_ext, paged_decode_attention, paged_prefill_attention
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.dispatch import forced
 from tests.kernels.conftest import DEVICE
@@ -52,6 +52,33 @@ def test_decode_reference_matches_dense_attention(case: Case) -> None:
         q, paged.k_cache, paged.v_cache, paged.block_tables, paged.seq_lens, scale
     )
     _assert_matches_dense(out, q, cu, paged, scale)
+
+
+@pytest.mark.usefixtures("force_cpp")
+@pytest.mark.parametrize(
+    "case", [(16, 3, 3, 64), (16, 2, 4, 128), (12, 2, 1, 32), (5, 1, 8, 64), (16, 4, 2, 64), (32, 2, 3, 64)]
+)
+def test_bfloat16_dot_kernel_matches_the_generic_kernel(case: Case) -> None:
+    # the AVX512-BF16 decode kernel (head dims 32/64/128, blocks up to 16 rows; block 32 runs the
+    # generic one) against the generic bfloat16 kernel and the float32 reference: many blocks, a
+    # partial last block, unused slots poisoned with NaN (never read), a strided query view
+    cpp = cpu_ext.load()
+    assert cpp is not None
+    if not cpp.has_bf16_dot():
+        pytest.skip("this CPU has no AVX512-BF16")
+    block_size, num_kv_heads, group, head_dim = case
+    seqs = [1, 7, 16, 17, 300, 1050]
+    paged = make_paged(seqs, block_size, num_kv_heads, head_dim, torch.bfloat16, seed=23, unused=float("nan"))
+    fused = torch.randn(len(seqs), 2 * num_kv_heads * group, head_dim).to(torch.bfloat16)
+    q = fused[:, : num_kv_heads * group]
+    tables, scale = (paged.block_tables, paged.seq_lens), head_dim**-0.5
+    fast = cpp.paged_decode_attention(q, paged.k_cache, paged.v_cache, *tables, scale, bf16_dot=True)
+    generic = cpp.paged_decode_attention(q, paged.k_cache, paged.v_cache, *tables, scale, bf16_dot=False)
+    k32, v32 = (c.float() for c in paged.finite_caches())
+    expected = paged_decode_attention_ref(q.float(), k32, v32, *tables, scale)
+    assert fast.dtype == torch.bfloat16 and rel_error(fast, expected) < BF16_TOL
+    # the same float32 math in another order: at most a rounding of the output apart
+    assert rel_error(fast, generic.float()) < BF16_TOL
 
 
 @pytest.mark.parametrize("seqs", [MIXED, PREFILL_ONLY], ids=["mixed", "prefill_only"])
