@@ -8,7 +8,7 @@ import hashlib
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["cpu_kernels.cpp"]  # relative to CSRC
+SOURCES = ["cpu_kernels.cpp", "cpu_gemm.cpp"]  # relative to CSRC
 # torch.backends.cpu.get_cpu_capability() names ("AVX512", "AVX2", "DEFAULT") -> compiler flags
 ISA_FLAGS: dict[str, list[str]] = {
     "AVX512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"],

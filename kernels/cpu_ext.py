@@ -10,8 +10,8 @@ is set, ``load()`` returns ``None`` after one warning and every caller runs the 
 
 Kernels here (float32 and bfloat16), each the CPU twin of a Triton kernel or a torch reference with
 its semantics: ``paged_decode_attention`` (bfloat16 on AVX512-BF16 CPUs by its own kernel, reported by
-``has_bf16_dot()``), ``write_kv_slots`` and the elementwise steps of
-``kernels.fused``.
+``has_bf16_dot()``), ``write_kv_slots``, the elementwise steps of ``kernels.fused`` and, on
+AVX512-BF16 CPUs, the bfloat16 GEMM of ``kernels.gemm``.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 // attention (one new token per sequence, KV blocks read in place through the block table: no gather
 // into a padded copy; float32 or bfloat16 caches, float32 math; for bfloat16 on AVX512-BF16 CPUs a
 // second kernel that takes its scores with vdpbf16ps, chosen at run time) and the KV slot write.
-// setup.py builds this file (and kernels/cpu_ext.py as a fallback) with
+// The bfloat16 GEMM lives in cpu_gemm.cpp, registered in this module. setup.py builds both files
+// (and kernels/cpu_ext.py as a fallback) with
 // -DSPLITSERVE_SOURCE_DIGEST=d<sha256 of the sources>, which the module exports so that a library
 // older than the source is never loaded.
 #include <torch/extension.h>
@@ -586,8 +587,9 @@ static void decode_attention_bf16dot(const torch::Tensor& q, const torch::Tensor
 
 #pragma GCC pop_options
 
-// Whether this CPU runs decode_attention_bf16dot (AVX512-BF16: Cooper Lake, Sapphire Rapids, Zen 4 on)
-static bool cpu_has_bf16_dot() {
+// Whether this CPU runs decode_attention_bf16dot and bf16_linear (cpu_gemm.cpp): AVX512-BF16, as on Cooper
+// Lake, Sapphire Rapids, Zen 4 and later
+bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
   return has;
 }
@@ -817,6 +819,8 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 #define SPLITSERVE_STR2(x) #x
 #define SPLITSERVE_STR(x) SPLITSERVE_STR2(x)
 
+void register_gemm(pybind11::module_& m);  // cpu_gemm.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_digest") = SPLITSERVE_STR(SPLITSERVE_SOURCE_DIGEST);
   m.def("add_rms_norm", &add_rms_norm, "residual add then RMSNorm, float32 or bfloat16, CPU");
@@ -826,6 +830,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention, float32 or bfloat16, CPU",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("scale"), py::arg("bf16_dot") = true);
-  m.def("has_bf16_dot", &cpu_has_bf16_dot, "whether bfloat16 decode attention runs on AVX512-BF16 here");
+  m.def("has_bf16_dot", &cpu_has_bf16_dot, "whether bfloat16 attention and bf16_linear run on AVX512-BF16 here");
   m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32 or bfloat16, CPU");
+  register_gemm(m);
 }
