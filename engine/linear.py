@@ -46,13 +46,15 @@ class Linear:
     """`y = x @ W.T + b` for `x` `[tokens, in]`; `W` was `[out, in]` when prepared."""
 
     weight: torch.Tensor  # as `layout` says
-    bias: torch.Tensor | None
+    bias: torch.Tensor | None  # float32 for `BF16_TILES`, else the weight's dtype
     layout: WeightLayout
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         if gemm.bf16_gemm_available(weight):
-            return cls(gemm.pack_bf16_weight(weight.contiguous()), bias, WeightLayout.BF16_TILES)
+            # the kernel adds the bias in float32: converted here once, not in every call
+            bias32 = None if bias is None else bias.float()
+            return cls(gemm.pack_bf16_weight(weight.contiguous()), bias32, WeightLayout.BF16_TILES)
         if onednn_packing_available(weight.device):
             return cls(
                 torch.ops.mkldnn._reorder_linear_weight(weight.contiguous()), bias, WeightLayout.ONEDNN

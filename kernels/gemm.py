@@ -40,7 +40,8 @@ def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:
 
 def bf16_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` for ``x`` ``[M, K]`` bfloat16 and ``packed = pack_bf16_weight(W)``: float32
-    sums of the exact products, rounded to bfloat16 once."""
+    sums of the exact products, the bias added in float32 (a float32 bias is used as it is, any other
+    is converted each call), rounded to bfloat16 once."""
     cpp = cpu_kernels(x, (torch.bfloat16,))
     if cpp is None:
         raise ValueError(f"bf16_linear: no C++ kernels for a {x.dtype} input on {x.device}")

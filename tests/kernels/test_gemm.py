@@ -86,6 +86,7 @@ def test_linear_packs_bfloat16_weights_and_keeps_float32_on_its_path() -> None:
     x = torch.randn(5, 64)
     fast = Linear.prepare(w.bfloat16(), bias.bfloat16())
     assert fast.layout is WeightLayout.BF16_TILES
+    assert fast.bias is not None and fast.bias.dtype == torch.float32  # converted once, at load
     expected = x.bfloat16().float() @ w.bfloat16().float().t() + bias.bfloat16().float()
     assert bf16_ulps(fast(x.bfloat16()), expected).max() <= 1.0
     assert Linear.prepare(w).layout is not WeightLayout.BF16_TILES
