@@ -14,8 +14,11 @@ position (causal). Softmax and accumulation run in float32; the output has q's d
 
 On the CPU, decode over float32 or bfloat16 caches runs the C++ kernel of ``kernels.cpu_ext``
 (blocks read in place, online softmax in float32), also for the decode rows of a mixed batch;
-each prompt chunk gathers its own blocks and takes one ``scaled_dot_product_attention`` in the
-cache's dtype (torch's CPU flash attention: bf16 GEMMs, float32 softmax). Which rows decode, which
+each prompt chunk over a bfloat16 cache on an AVX512-BF16 CPU takes the C++ flash-attention kernel
+(keys read through the block table, ``vdpbf16ps`` scores and value sums in float32, online softmax in
+float32, probabilities rounded to bfloat16 for the values as GPU kernels do: 2.5-3x torch's CPU
+SDPA), and any other gathers its own blocks and takes one ``scaled_dot_product_attention`` in the
+cache's dtype (torch's CPU flash attention: float32 softmax). Which rows decode, which
 blocks each chunk reads and its causal mask are the same in every layer of a step: a
 ``VarlenLayout`` holds them, built once a step on the host (the model runner builds it from the
 lists it already has; without one, ``paged_prefill_attention`` builds it with one device sync). The ``*_ref`` functions
@@ -30,6 +33,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +46,7 @@ class PromptChunk:
     """One sequence of a varlen step with more than one new token."""
 
     rows: slice  # its rows of the step's flat tokens
+    seq_len: int  # its tokens, the new ones included
     blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64: the blocks its keys are in, in order
     causal_mask: torch.Tensor | None  # [q_len, keys padded to blocks]; None: nothing cached (top-left)
 
@@ -77,7 +82,7 @@ class VarlenLayout:
                     q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
                     mask = torch.arange(num_blocks * block_size, device=device)[None, :] <= q_pos[:, None]
                 blocks = block_tables[seq, :num_blocks].long()
-                chunks.append(PromptChunk(slice(start, start + q_len), blocks, mask))
+                chunks.append(PromptChunk(slice(start, start + q_len), seq_len, blocks, mask))
             start += q_len
         n = len(decode_seqs)
         leading = decode_seqs == list(range(n))
@@ -157,9 +162,29 @@ def paged_prefill_attention(
         out[layout.decode_rows] = paged_decode_attention(
             q[layout.decode_rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale
         )
+    cpp = _bf16_prompt_kernels(q, k_cache, v_cache)
     for chunk in layout.chunks:
-        out[chunk.rows] = _chunk_sdpa(q[chunk.rows], k_cache, v_cache, chunk, scale)
+        rows = q[chunk.rows]
+        out[chunk.rows] = (
+            cpp.prefill_attention_bf16(rows, k_cache, v_cache, chunk.blocks, chunk.seq_len, scale)
+            if cpp is not None
+            else _chunk_sdpa(rows, k_cache, v_cache, chunk, scale)
+        )
     return out
+
+
+def _bf16_prompt_kernels(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> ModuleType | None:
+    """The C++ module where its bfloat16 prompt kernel serves these tensors (an AVX512-BF16 CPU,
+    bfloat16 query and caches, head dim a multiple of 32 up to 256), else None."""
+    cpp = cpu_kernels(q, (torch.bfloat16,))
+    serves = (
+        cpp is not None
+        and k_cache.dtype == v_cache.dtype == torch.bfloat16
+        and q.shape[-1] % 32 == 0
+        and q.shape[-1] <= 256
+        and bool(cpp.has_bf16_dot())
+    )
+    return cpp if serves else None
 
 
 def _chunk_sdpa(

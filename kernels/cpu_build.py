@@ -8,7 +8,8 @@ import hashlib
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["cpu_kernels.cpp", "cpu_gemm.cpp"]  # relative to CSRC
+SOURCES = ["cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_prefill_attention.cpp"]  # relative to CSRC
+HEADERS = ["lanes.h"]  # included by the sources: in the digest, never compiled alone
 # torch.backends.cpu.get_cpu_capability() names ("AVX512", "AVX2", "DEFAULT") -> compiler flags
 ISA_FLAGS: dict[str, list[str]] = {
     "AVX512": ["-mavx512f", "-mavx512vl", "-mavx2", "-mfma"],
@@ -22,9 +23,10 @@ LDFLAGS = ["-fopenmp"]
 
 
 def source_digest() -> str:
-    """The digest compiled into each library (``module.source_digest``): ``d`` + SHA-256 of the sources."""
+    """The digest compiled into each library (``module.source_digest``): ``d`` + SHA-256 of the sources
+    and the headers they include."""
     h = hashlib.sha256()
-    for name in SOURCES:
+    for name in SOURCES + HEADERS:
         h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     return "d" + h.hexdigest()
 

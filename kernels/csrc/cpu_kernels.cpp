@@ -2,7 +2,8 @@
 // attention (one new token per sequence, KV blocks read in place through the block table: no gather
 // into a padded copy; float32 or bfloat16 caches, float32 math; for bfloat16 on AVX512-BF16 CPUs a
 // second kernel that takes its scores with vdpbf16ps, chosen at run time) and the KV slot write.
-// The bfloat16 GEMM lives in cpu_gemm.cpp, registered in this module. setup.py builds both files
+// The bfloat16 GEMM lives in cpu_gemm.cpp and bfloat16 prompt attention in cpu_prefill_attention.cpp,
+// both registered in this module. setup.py builds the three files
 // (and kernels/cpu_ext.py as a fallback) with
 // -DSPLITSERVE_SOURCE_DIGEST=d<sha256 of the sources>, which the module exports so that a library
 // older than the source is never loaded.
@@ -15,6 +16,8 @@
 #include <numeric>
 #include <type_traits>
 #include <vector>
+
+#include "lanes.h"
 
 namespace {
 
@@ -72,29 +75,6 @@ inline void store8(at::BFloat16* p, v8 v) {
 
 inline float hsum8(v8 v) {
   return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-// expf lane by lane (Cephes' polynomial, ~2 ulp over the range softmax uses) for V float lanes and
-// I int32 lanes of the same count; lanes below -87 give ~1e-38, not 0, which a softmax sum cannot
-// tell apart.
-template <typename V, typename I>
-inline V exp_lanes(V x) {
-  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
-  x = x < lo ? lo : x;
-  x = x > hi ? hi : x;
-  const float magic = 12582912.f;  // 1.5 * 2^23: adding it rounds to the nearest integer
-  V n = (x * 1.44269504088896341f + magic) - magic;
-  V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  V p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  V pow2;
-  __builtin_memcpy(&pow2, &bits, sizeof(pow2));
-  return p * pow2;
 }
 
 inline v8 exp8(v8 x) { return exp_lanes<v8, i8>(x); }
@@ -468,16 +448,6 @@ typedef uint32_t u32x16 __attribute__((vector_size(64)));
 // of an uninitialized operand they never read)
 inline v16 widen16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
 
-// the lanes of v folded pairwise by `op` (max or +) into every lane; lane 0 read
-template <typename Op>
-inline float fold16(v16 v, Op op) {
-  v = op(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
-  v = op(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
-  v = op(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
-  v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
-  return v[0];
-}
-
 inline __m512bh load_bh(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
 }
@@ -819,7 +789,8 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 #define SPLITSERVE_STR2(x) #x
 #define SPLITSERVE_STR(x) SPLITSERVE_STR2(x)
 
-void register_gemm(pybind11::module_& m);  // cpu_gemm.cpp
+void register_gemm(pybind11::module_& m);                // cpu_gemm.cpp
+void register_prefill_attention(pybind11::module_& m);  // cpu_prefill_attention.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_digest") = SPLITSERVE_STR(SPLITSERVE_SOURCE_DIGEST);
@@ -833,4 +804,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &cpu_has_bf16_dot, "whether bfloat16 attention and bf16_linear run on AVX512-BF16 here");
   m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32 or bfloat16, CPU");
   register_gemm(m);
+  register_prefill_attention(m);
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
@@ -194,6 +196,62 @@ def test_bfloat16_cpu_prefill_matches_float32_reference() -> None:
     k32, v32 = paged.k_cache.float(), paged.v_cache.float()
     expected = paged_prefill_attention_ref(q.float(), k32, v32, *tables, scale)
     assert out.dtype == torch.bfloat16 and rel_error(out, expected) < BF16_TOL
+
+
+def _bf16_prompt_kernels() -> ModuleType:
+    cpp = cpu_ext.load()
+    if cpp is None or not cpp.has_bf16_dot():
+        pytest.skip("needs the C++ kernels on a CPU with AVX512-BF16")
+    return cpp
+
+
+@pytest.mark.parametrize(
+    "case", [(16, 3, 3, 64), (16, 2, 1, 32), (5, 1, 4, 128), (8, 2, 8, 256), (16, 4, 2, 96), (32, 1, 5, 64)]
+)
+def test_bfloat16_prompt_kernel_matches_float32_reference(case: Case) -> None:
+    # the AVX512-BF16 prompt kernel (vdpbf16ps scores and value sums, probabilities rounded to
+    # bfloat16): whole prompts from 2 tokens to several 64-key steps, chunks after cached prefixes
+    # (ending inside a step and on its edge), row tiles of every width, a strided query view, beside
+    # a decode row; unused cache slots poisoned with NaN (never read). Through the dispatch, which
+    # must pick it: the same bits as the kernel called alone
+    cpp = _bf16_prompt_kernels()
+    block_size, num_kv_heads, group, head_dim = case
+    seqs = [(2, 2), (7, 7), (64, 64), (65, 65), (200, 200), (130, 1), (300, 37), (129, 128), (192, 64)]
+    paged = make_paged(
+        [n for n, _ in seqs], block_size, num_kv_heads, head_dim, torch.bfloat16, 24, float("nan")
+    )
+    num_tokens = sum(m for _, m in seqs)
+    fused = torch.randn(num_tokens, 2 * num_kv_heads * group, head_dim).to(torch.bfloat16)
+    q = fused[:, : num_kv_heads * group]
+    cu, scale = cu_seqlens([m for _, m in seqs]), head_dim**-0.5
+    tables = (paged.block_tables, cu, paged.seq_lens)
+    with forced("cpp"):
+        out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, *tables, scale)
+    k32, v32 = (c.float() for c in paged.finite_caches())
+    expected = paged_prefill_attention_ref(q.float(), k32, v32, *tables, scale)
+    assert out.dtype == torch.bfloat16 and rel_error(out, expected) < BF16_TOL
+    for b, (n, m) in enumerate(seqs):
+        if m > 1:
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            blocks = paged.block_tables[b, : -(-n // block_size)]
+            alone = cpp.prefill_attention_bf16(q[rows], paged.k_cache, paged.v_cache, blocks, n, scale)
+            assert torch.equal(out[rows], alone)
+
+
+def test_bfloat16_prompt_kernel_refuses_what_it_cannot_serve() -> None:
+    cpp = _bf16_prompt_kernels()
+    paged = make_paged([40], 16, 1, 64, torch.bfloat16, seed=25)
+    q, blocks = torch.randn(8, 2, 64).to(torch.bfloat16), paged.block_tables[0, :3]
+    k, v = paged.k_cache, paged.v_cache
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpp.prefill_attention_bf16(q.float(), k, v, blocks, 40, 0.125)
+    with pytest.raises(RuntimeError, match="blocks hold fewer than 49 tokens"):
+        cpp.prefill_attention_bf16(q, k, v, blocks, 49, 0.125)
+    with pytest.raises(RuntimeError, match="8 new tokens of a 5-token sequence"):
+        cpp.prefill_attention_bf16(q, k, v, blocks, 5, 0.125)
+    odd = make_paged([40], 16, 1, 48, torch.bfloat16, seed=25)
+    with pytest.raises(RuntimeError, match="head dim a multiple of 32"):
+        cpp.prefill_attention_bf16(q[..., :48], odd.k_cache, odd.v_cache, blocks, 40, 0.125)
 
 
 @pytest.mark.usefixtures("backend")
