@@ -1,7 +1,8 @@
 // The CPU twins of two Triton kernels, with the semantics of their torch references: paged decode
 // attention (one new token per sequence, KV blocks read in place through the block table: no gather
 // into a padded copy; float32 or bfloat16 caches, float32 math; for bfloat16 on AVX512-BF16 CPUs a
-// second kernel that takes its scores with vdpbf16ps, chosen at run time) and the KV slot write.
+// second kernel that takes its scores and value sums with vdpbf16ps, chosen at run time) and the KV
+// slot write.
 // The bfloat16 GEMM lives in cpu_gemm.cpp and bfloat16 prompt attention in cpu_prefill_attention.cpp,
 // both registered in this module. setup.py builds the three files
 // (and kernels/cpu_ext.py as a fallback) with
@@ -409,7 +410,8 @@ static void decode_attention(const torch::Tensor& q, const torch::Tensor& k_cach
 // The bfloat16 decode kernel on CPUs with AVX512-BF16 (built into every library, chosen at run time):
 // scores are `vdpbf16ps` dot products of the bfloat16 query and key rows as they lie in the cache
 // (exact products summed in float32: no widened copy of the keys, 32 products an instruction), then
-// scaled; softmax and the value accumulators are float32 over 16 lanes, as in the generic kernel.
+// scaled; softmax is float32 over 16 lanes, as in the generic kernel; the values are summed by
+// vdpbf16ps over pairs of tokens into float32, the probabilities rounded to bfloat16 for it.
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")
 #include <immintrin.h>
@@ -441,13 +443,6 @@ inline v16 lane_sums16(const v16* v) {
          __builtin_shufflevector(l3[0], l3[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-// sixteen bfloat16 widened (vector extensions, not intrinsics: GCC 12's widening intrinsics warn
-// of an uninitialized operand they never read)
-inline v16 widen16(const at::BFloat16* p) { return widen_bf16<v16, u16x16, u32x16>(p); }
-
 inline __m512bh load_bh(const at::BFloat16* p) {
   return reinterpret_cast<__m512bh>(_mm512_loadu_si512(reinterpret_cast<const void*>(p)));
 }
@@ -466,24 +461,48 @@ inline v16 scores16(const __m512bh* q, const at::BFloat16* k, int64_t k_row, int
   return lane_sums16(acc);
 }
 
-// acc[g] = acc[g] * rescale[g] + sum_{t < n} p[g][t] * v[t] for G heads over the 16 x CH lanes at `d`
-template <int G, int CH>
-inline void accumulate16(const float (*p)[16], const float* rescale, const at::BFloat16* v, int64_t v_row, int64_t n,
-                         int64_t head_dim, int64_t d, float* acc) {
-  v16 c[G][CH];
+// acc[g] = acc[g] * rescale[g] + sum_{t < n} p[g][t] * v[t] for G heads over the 32-value chunks
+// [c0, c0 + CC) of the head, by vdpbf16ps over pairs of tokens: p in bfloat16 (rounded as GPU flash
+// attention rounds its probabilities), two value rows interleaved by vpunpck{l,h}wd. The interleave
+// works within 128-bit lanes, so each chunk's accumulators hold its values in `paired` order (lane i of
+// the low half: value 8 (i / 4) + i % 4; of the high half: that + 4), which `unpair` undoes once a
+// sequence is done. An odd last token pairs with zeros; rows at or past n are never read.
+template <int G, int CC>
+inline void accumulate_pairs(const uint16_t (*p)[16], const float* rescale, const at::BFloat16* v, int64_t v_row,
+                             int64_t n, int64_t head_dim, int64_t c0, float* acc) {
+  __m512 c[G][2 * CC];
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < CH; ++i) {
-      __builtin_memcpy(&c[g][i], acc + g * head_dim + d + 16 * i, sizeof(v16));
-      c[g][i] *= rescale[g];
+    for (int i = 0; i < 2 * CC; ++i)
+      c[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * head_dim + 32 * c0 + 16 * i), _mm512_set1_ps(rescale[g]));
+  for (int64_t t = 0; t < n; t += 2) {
+    __m512bh w[2 * CC];
+    for (int i = 0; i < CC; ++i) {
+      const __m512i a = _mm512_loadu_si512(v + t * v_row + 32 * (c0 + i));
+      const __m512i b = t + 1 < n ? _mm512_loadu_si512(v + (t + 1) * v_row + 32 * (c0 + i)) : _mm512_setzero_si512();
+      w[2 * i] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      w[2 * i + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
-  for (int64_t t = 0; t < n; ++t) {
-    for (int i = 0; i < CH; ++i) {
-      const v16 vd = widen16(v + t * v_row + d + 16 * i);
-      for (int g = 0; g < G; ++g) c[g][i] += p[g][t] * vd;
+    for (int g = 0; g < G; ++g) {
+      int32_t pair;
+      __builtin_memcpy(&pair, p[g] + t, sizeof(pair));
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+      for (int i = 0; i < 2 * CC; ++i) c[g][i] = _mm512_dpbf16_ps(c[g][i], pp, w[i]);
     }
   }
   for (int g = 0; g < G; ++g)
-    for (int i = 0; i < CH; ++i) __builtin_memcpy(acc + g * head_dim + d + 16 * i, &c[g][i], sizeof(v16));
+    for (int i = 0; i < 2 * CC; ++i) _mm512_storeu_ps(acc + g * head_dim + 32 * c0 + 16 * i, c[g][i]);
+}
+
+// `accumulate_pairs`' order back to the natural one, for rows of head_dim floats
+inline void unpair(float* acc, int64_t rows, int64_t head_dim) {
+  for (int64_t c = 0; c < rows * head_dim; c += 32) {
+    float paired[32];
+    std::copy(acc + c, acc + c + 32, paired);
+    for (int i = 0; i < 16; ++i) {
+      acc[c + 8 * (i / 4) + i % 4] = paired[i];
+      acc[c + 8 * (i / 4) + 4 + i % 4] = paired[16 + i];
+    }
+  }
 }
 
 // One sequence's G query heads of one kv head over a block's first n <= 16 rows, online softmax:
@@ -498,7 +517,7 @@ inline void attend_block16(const __m512bh (*q)[DC], float scale, const at::BFloa
   const v16 minus_inf = v16{} - std::numeric_limits<float>::infinity();
   const auto max = [](v16 a, v16 b) { return a > b ? a : b; };
   const auto sum = [](v16 a, v16 b) { return a + b; };
-  float p[G][16];
+  alignas(64) uint16_t p[G][16];  // bfloat16
   float rescale[G];
   for (int g = 0; g < G; ++g) {
     const v16 s = valid ? scores16<DC>(q[g], k, k_row, n) * scale : minus_inf;
@@ -507,11 +526,11 @@ inline void attend_block16(const __m512bh (*q)[DC], float scale, const at::BFloa
     row_max[g] = new_max;
     const v16 e = valid ? exp_lanes<v16, i16>(s - new_max) : v16{};
     denom[g] = denom[g] * rescale[g] + fold16(e, sum);
-    __builtin_memcpy(p[g], &e, sizeof(e));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p[g]), (__m256i)_mm512_cvtneps_pbh((__m512)e));
   }
-  // at most 8 accumulators of 16 lanes live at once, tiles that divide the head
-  constexpr int CH = std::min(G <= 2 ? 4 : 2, 2 * DC);
-  for (int64_t d = 0; d < head_dim; d += 16 * CH) accumulate16<G, CH>(p, rescale, v, v_row, n, head_dim, d, acc);
+  // at most 16 accumulators of 16 lanes live at once, chunks that divide the head
+  constexpr int CC = std::min(DC, G <= 2 ? 4 : G <= 4 ? 2 : 1);
+  for (int64_t c0 = 0; c0 < DC; c0 += CC) accumulate_pairs<G, CC>(p, rescale, v, v_row, n, head_dim, c0, acc);
 }
 
 }  // namespace
@@ -550,6 +569,7 @@ static void decode_attention_bf16dot(const torch::Tensor& q, const torch::Tensor
                                 &rows.denom[hq], rows.acc.data() + hq * head_dim);
         }
       }
+      unpair(rows.acc.data(), num_heads, head_dim);
       rows.write(op + b * num_heads * head_dim);
     }
   });
