@@ -147,6 +147,14 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "stays within this (ms; 0 = off: TTFT alone decides)",
     )
     parser.add_argument(
+        "--local-first-ttft-ms",
+        type=float,
+        default=default["local_first_ttft_ms"],
+        help="conditional: prefill on a decode worker whenever its estimated TTFT is within this (ms), "
+        "even where a prefill worker would be sooner, leaving the prefill workers to long prompts "
+        "(0 = off: the lower estimate decides)",
+    )
+    parser.add_argument(
         "--tpot-guard",
         choices=TPOT_GUARDS,
         default=default["tpot_guard"],
@@ -251,6 +259,7 @@ def _config(
             args.tpot_slo_ms,
             args.tpot_guard,
             args.first_token_from,
+            args.local_first_ttft_ms,
         ),
     )
 

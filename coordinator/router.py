@@ -48,7 +48,10 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
             its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
 
 `conditional` takes the local path when it is cheaper and the uncached prompt is at most
-`local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core);
+`local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core),
+and, with `local_first_ttft_ms` > 0, also whenever local_ms is within it: a short prompt then
+leaves the prefill worker to the long ones even when that worker would be sooner for it, since
+every prompt a prefill worker takes delays the long prompts queued behind it;
 `always` never prefills on a decode worker; `never` always does.
 
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): the `work` tokens
@@ -109,6 +112,7 @@ class Placement:
     local_added_ms: float = 0.0
     decode_running: int = 0
     local_pushed_over: int = 0  # running requests the local prefill would push over the TPOT target
+    local_first_ttft_ms: float = 0.0  # the policy's local-first bound the local estimate was held to
 
     @property
     def colocated(self) -> bool:
@@ -135,6 +139,7 @@ class Placement:
             tpot_target_ms=self.tpot_target_ms,
             local_added_ms=self.local_added_ms,
             decode_running=self.decode_running,
+            local_first_ttft_ms=self.local_first_ttft_ms,
         )
 
 
@@ -335,9 +340,12 @@ class Router:
             over_tpot = target > 0 and local.local_tpot_ms > target
         if remote is None:  # no prefill worker can take it now: wait for one (or for D's TPOT)
             return None if too_long or over_tpot else local
-        if too_long or over_tpot or local.local_ttft_ms >= remote.remote_ttft_ms:
+        if too_long or over_tpot:
             return _with_local(remote, local)
-        return local
+        first = self.policy.local_first_ttft_ms
+        if local.local_ttft_ms < remote.remote_ttft_ms or (first > 0 and local.local_ttft_ms <= first):
+            return local
+        return _with_local(remote, local)
 
     def _place_remote(self, token_ids: Sequence[int], hashes: dict[int, list[int]]) -> Placement | None:
         """The lowest-TTFT prefill worker that pairs with a decode worker with room (or a colocated
@@ -419,6 +427,7 @@ class Router:
             tpot.added_ms,
             tpot.running,
             tpot.pushed_over,
+            self.policy.local_first_ttft_ms,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -463,6 +472,7 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         local_added_ms=local.local_added_ms,
         decode_running=local.decode_running,
         local_pushed_over=local.local_pushed_over,
+        local_first_ttft_ms=local.local_first_ttft_ms,
     )
 
 

@@ -1,5 +1,5 @@
 """The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`, `--tpot-slo-ms`,
-`--first-token-from`); import-light, because `splitserve --help` builds the coordinator's flags from
+`--first-token-from`, `--local-first-ttft-ms`); import-light, because `splitserve --help` builds the coordinator's flags from
 these defaults."""
 
 from __future__ import annotations
@@ -22,7 +22,11 @@ class RoutingPolicy:
     prompt are uncached there, and, with `tpot_slo_ms` > 0, only while the decode worker's projected
     TPOT with that prefill in its steps stays within `tpot_slo_ms` (0: TTFT alone decides): under
     the `ceiling` guard while every running request's projection does, under `increment` unless the
-    prefill pushes a request that would meet the target without it over it.
+    prefill pushes a request that would meet the target without it over it. With
+    `local_first_ttft_ms` > 0, `conditional` also takes the local path (when it may: short enough,
+    within the TPOT guard) whenever its estimate is within that many milliseconds, even where a
+    prefill worker would be sooner: short prompts then skip the hop, and the prefill workers' time
+    is left to the prompts only they can serve in time (0: the lower estimate alone decides).
 
     `first_token_from` (the hop's first token, prefilled on a prefill worker): `decode` streams it
     when the decode worker starts decoding the request (its KV landed, its first step scheduled), as
@@ -36,6 +40,7 @@ class RoutingPolicy:
     tpot_slo_ms: float = 0.0
     tpot_guard: str = TPOT_GUARDS[0]
     first_token_from: str = FIRST_TOKEN_FROM[0]
+    local_first_ttft_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATION:
@@ -53,3 +58,5 @@ class RoutingPolicy:
             )
         if not self.tpot_slo_ms >= 0:  # also refuses NaN
             raise ValueError(f"--tpot-slo-ms must be >= 0 (0 = off), got {self.tpot_slo_ms}")
+        if not self.local_first_ttft_ms >= 0:
+            raise ValueError(f"--local-first-ttft-ms must be >= 0 (0 = off), got {self.local_first_ttft_ms}")

@@ -116,6 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "absolute --slo-tpot-ms, 0 under --slo-scale; 0 = off)",
     )
     a(
+        "--router-local-first-ttft-ms",
+        type=non_negative_float,
+        default=None,
+        help="the coordinator's --local-first-ttft-ms (conditional: prefill on the decode worker "
+        "whenever its estimate is within it; default: the coordinator's, 0 = off)",
+    )
+    a(
         "--router-tpot-guard",
         choices=TPOT_GUARDS,
         default=None,
@@ -221,6 +228,8 @@ def run(args: argparse.Namespace) -> int:
         spec.coordinator_args = [*spec.coordinator_args, "--tpot-slo-ms", f"{router_tpot:g}"]
         if args.router_tpot_guard:
             spec.coordinator_args += ["--tpot-guard", args.router_tpot_guard]
+        if args.router_local_first_ttft_ms is not None:
+            spec.coordinator_args += ["--local-first-ttft-ms", f"{args.router_local_first_ttft_ms:g}"]
         if args.first_token_from:
             spec.coordinator_args += ["--first-token-from", args.first_token_from]
     study = run_study(plan, vs, spec, args.target, say=say)
@@ -236,6 +245,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "router_tpot_slo_ms": None if args.target else router_tpot,
         "router_tpot_guard": args.router_tpot_guard,
+        "router_local_first_ttft_ms": args.router_local_first_ttft_ms,
         "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "prefill_ms_while_decoding": args.prefill_ms_while_decoding,

@@ -1138,6 +1138,7 @@ class RoutingDecision(_message.Message):
     TPOT_TARGET_MS_FIELD_NUMBER: _builtins.int
     LOCAL_ADDED_MS_FIELD_NUMBER: _builtins.int
     DECODE_RUNNING_FIELD_NUMBER: _builtins.int
+    LOCAL_FIRST_TTFT_MS_FIELD_NUMBER: _builtins.int
     path: Global___PrefillPath.ValueType
     """The path taken."""
     estimated_ttft_ms: _builtins.float
@@ -1175,6 +1176,10 @@ class RoutingDecision(_message.Message):
     """
     decode_running: _builtins.int
     """Requests decoding (or about to) on the decode worker that the TPOT projection counted."""
+    local_first_ttft_ms: _builtins.float
+    """The coordinator's --local-first-ttft-ms: conditional prefills on the decode worker whenever
+    local_ttft_ms is within it, even where remote_ttft_ms is lower; 0 = off (the lower estimate decides).
+    """
     def __init__(
         self,
         *,
@@ -1191,10 +1196,11 @@ class RoutingDecision(_message.Message):
         tpot_target_ms: _builtins.float = ...,
         local_added_ms: _builtins.float = ...,
         decode_running: _builtins.int = ...,
+        local_first_ttft_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_tpot_ms", b"local_tpot_ms", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_tpot_ms", b"local_tpot_ms", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

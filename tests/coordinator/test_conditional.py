@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from coordinator.router import LOCAL, REMOTE, prefix_block_hashes
+from coordinator.router import LOCAL, REMOTE, RunningDecode, prefix_block_hashes
 from coordinator.routing_policy import RoutingPolicy
 from coordinator.served_model import ServedModel
 from engine.config import EngineConfig
@@ -75,6 +75,35 @@ def test_a_first_token_streamed_from_the_prefill_worker_waits_for_no_decode_step
     idle.report("d", **(DECODE_LOAD | {"running_requests": 0}))
     placement = idle.router.place(list(range(100, 132)))
     assert placement is not None and placement.remote_ttft_ms == pytest.approx(1.6 + 3.0)
+
+
+def test_local_first_keeps_short_prompts_off_an_idle_prefill_worker(served_model: ServedModel) -> None:
+    """--local-first-ttft-ms: P idle is sooner for a chat (14.6 ms against D's 31.6), but D's estimate
+    is within the bound, so the chat stays on D and P's time stays with the long prompts; over the
+    bound, too long or over the TPOT target, the lower estimate and the guards decide as before."""
+    short = list(range(100, 132))
+    for bound, path in ((40.0, LOCAL), (30.0, REMOTE), (0.0, REMOTE)):
+        pool = Pool(served_model, RoutingPolicy("conditional", 256, local_first_ttft_ms=bound))
+        pool.add("p", "prefill")
+        pool.add("d", "decode", num_blocks=1000)
+        pool.report("p", us_per_token=50.0)
+        pool.report("d", **DECODE_LOAD)
+        placement = pool.router.place(short)
+        assert placement is not None and placement.path == path, bound
+        assert placement.local_ttft_ms == pytest.approx(31.6) and placement.remote_ttft_ms == pytest.approx(
+            14.6
+        )
+        assert placement.routing().local_first_ttft_ms == bound
+        long_prompt = pool.router.place(list(range(300)))  # 300 uncached tokens > 256
+        assert long_prompt is not None and long_prompt.path == REMOTE
+    guarded = Pool(served_model, RoutingPolicy("conditional", tpot_slo_ms=21.0, local_first_ttft_ms=1e6))
+    guarded.add("p", "prefill")
+    guarded.add("d", "decode", num_blocks=1000)
+    guarded.report("p", us_per_token=50.0)
+    guarded.report("d", **DECODE_LOAD)
+    running = [RunningDecode(10, 11)] * 8
+    placement = guarded.router.place(list(range(100, 400)), lambda worker_id: running)
+    assert placement is not None and placement.path == REMOTE and placement.local_tpot_ms > 21.0
 
 
 def test_long_prompt_goes_to_the_prefill_worker_however_queued(served_model: ServedModel) -> None:
@@ -157,6 +186,8 @@ def test_bad_policy_names_the_flag() -> None:
         RoutingPolicy("sometimes")
     with pytest.raises(ValueError, match="--local-prefill-max-tokens"):
         RoutingPolicy("conditional", -1)
+    with pytest.raises(ValueError, match="--local-first-ttft-ms must be >= 0"):
+        RoutingPolicy("conditional", local_first_ttft_ms=float("nan"))
 
 
 @pytest.fixture(scope="module")
