@@ -515,17 +515,15 @@ inline void attend_block16(const __m512bh (*q)[DC], float scale, const at::BFloa
   const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const auto valid = lane < static_cast<float>(n);
   const v16 minus_inf = v16{} - std::numeric_limits<float>::infinity();
-  const auto max = [](v16 a, v16 b) { return a > b ? a : b; };
-  const auto sum = [](v16 a, v16 b) { return a + b; };
   alignas(64) uint16_t p[G][16];  // bfloat16
   float rescale[G];
   for (int g = 0; g < G; ++g) {
     const v16 s = valid ? scores16<DC>(q[g], k, k_row, n) * scale : minus_inf;
-    const float new_max = std::max(row_max[g], fold16(s, max));
+    const float new_max = std::max(row_max[g], max16(s));
     rescale[g] = new_max > row_max[g] ? std::exp(row_max[g] - new_max) : 1.f;
     row_max[g] = new_max;
     const v16 e = valid ? exp_lanes<v16, i16>(s - new_max) : v16{};
-    denom[g] = denom[g] * rescale[g] + fold16(e, sum);
+    denom[g] = denom[g] * rescale[g] + sum16(e);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p[g]), (__m256i)_mm512_cvtneps_pbh((__m512)e));
   }
   // at most 16 accumulators of 16 lanes live at once, chunks that divide the head

@@ -135,8 +135,6 @@ void attend_tile(const uint16_t* const* q, const int64_t* pos, const uint32_t* k
   const int64_t pairs = head_dim / 2, steps = pos[MR - 1] / STEP_KEYS + 1;
   const v16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   const v16 minus_inf = v16{} - std::numeric_limits<float>::infinity();
-  const auto max = [](v16 a, v16 b) { return a > b ? a : b; };
-  const auto sum = [](v16 a, v16 b) { return a + b; };
   alignas(64) float o[MR * 256];  // head_dim <= 256
   alignas(64) uint16_t p[MR][STEP_KEYS];
   float row_max[MR], denom[MR], rescale[MR];
@@ -153,9 +151,9 @@ void attend_tile(const uint16_t* const* q, const int64_t* pos, const uint32_t* k
       for (int t = 0; t < 4; ++t) {
         s[r][t] *= scale;
         if (masked) s[r][t] = lane + static_cast<float>(first + 16 * t - pos[r]) <= 0.f ? s[r][t] : minus_inf;
-        m = max(m, s[r][t]);
+        m = m > s[r][t] ? m : s[r][t];
       }
-      const float new_max = std::max(row_max[r], fold16(m, max));
+      const float new_max = std::max(row_max[r], max16(m));
       // a row with every key of the step past it keeps its state (its probabilities are all 0)
       rescale[r] = new_max > row_max[r] ? std::exp(row_max[r] - new_max) : 1.f;
       row_max[r] = new_max;
@@ -165,7 +163,7 @@ void attend_tile(const uint16_t* const* q, const int64_t* pos, const uint32_t* k
         total += e;
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(&p[r][16 * t]), (__m256i)_mm512_cvtneps_pbh((__m512)e));
       }
-      denom[r] = denom[r] * rescale[r] + fold16(total, sum);
+      denom[r] = denom[r] * rescale[r] + sum16(total);
     }
     const uint16_t* step_values_at = values + first * head_dim;
     int64_t depth = 0;

@@ -39,3 +39,9 @@ inline float fold16(v16 v, Op op) {
   v = op(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
   return v[0];
 }
+
+// The largest and the sum of the lanes. Callers compiled for a wider target (the AVX512-BF16 kernels)
+// must fold through these, not through a lambda of their own: GCC does not inline a callee of a wider
+// target into fold16, which then runs the op as an out-of-line call per level.
+inline float max16(v16 v) { return fold16(v, [](v16 a, v16 b) { return a > b ? a : b; }); }
+inline float sum16(v16 v) { return fold16(v, [](v16 a, v16 b) { return a + b; }); }
