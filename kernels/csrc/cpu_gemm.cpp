@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "lanes.h"
+
 bool cpu_has_bf16_dot();  // cpu_kernels.cpp
 
 namespace {
@@ -48,9 +50,7 @@ void tile_rows(const uint16_t* x, int64_t ldx, const uint16_t* b, int64_t pairs,
     for (int t = 0; t < NT; ++t) w[t] = (__m512bh)_mm512_loadu_si512(b + i * ldb + t * 32);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      int32_t pair;  // x[r, 2i] and x[r, 2i + 1], broadcast to every lane
-      __builtin_memcpy(&pair, x + r * ldx + 2 * i, sizeof(pair));
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh a = broadcast_pair(x + r * ldx + 2 * i);  // x[r, 2i] and x[r, 2i + 1]
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], a, w[t]);
     }

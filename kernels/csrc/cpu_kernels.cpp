@@ -483,9 +483,7 @@ inline void accumulate_pairs(const uint16_t (*p)[16], const float* rescale, cons
       w[2 * i + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
     }
     for (int g = 0; g < G; ++g) {
-      int32_t pair;
-      __builtin_memcpy(&pair, p[g] + t, sizeof(pair));
-      const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh pp = broadcast_pair(p[g] + t);
       for (int i = 0; i < 2 * CC; ++i) c[g][i] = _mm512_dpbf16_ps(c[g][i], pp, w[i]);
     }
   }

@@ -68,12 +68,6 @@ void pack_values(const PagedRows& v, int64_t keys, int64_t padded, int64_t head_
 
 namespace {
 
-inline __m512bh broadcast_pair(const uint16_t* p) {
-  int32_t pair;
-  __builtin_memcpy(&pair, p, sizeof(pair));
-  return (__m512bh)_mm512_set1_epi32(pair);
-}
-
 // s[r][t] = scores of MR query rows against one step's 64 keys (four tiles of 16), unscaled
 template <int MR>
 void step_scores(const uint16_t* const* q, const uint32_t* keys, int64_t pairs, v16 (*s)[4]) {

@@ -1,5 +1,5 @@
-// Vector helpers shared by cpu_kernels.cpp and cpu_prefill_attention.cpp (GCC vector extensions; in
-// the source digest: kernels/cpu_build.py HEADERS).
+// Vector helpers shared by the C++ CPU kernels (GCC vector extensions, and the vdpbf16ps operand
+// broadcast under the AVX512-BF16 target; in the source digest: kernels/cpu_build.py HEADERS).
 #pragma once
 
 #include <cstdint>
@@ -45,3 +45,16 @@ inline float fold16(v16 v, Op op) {
 // target into fold16, which then runs the op as an out-of-line call per level.
 inline float max16(v16 v) { return fold16(v, [](v16 a, v16 b) { return a > b ? a : b; }); }
 inline float sum16(v16 v) { return fold16(v, [](v16 a, v16 b) { return a + b; }); }
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,fma")
+#include <immintrin.h>
+
+// the bfloat16 pair p[0], p[1] (p[0] in the low half) in every 32-bit lane: vdpbf16ps's broadcast operand
+inline __m512bh broadcast_pair(const uint16_t* p) {
+  int32_t pair;
+  __builtin_memcpy(&pair, p, sizeof(pair));
+  return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+#pragma GCC pop_options

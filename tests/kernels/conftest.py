@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import ModuleType
 
 import pytest
 import torch
@@ -29,6 +30,16 @@ def force_cpp() -> Iterator[None]:
     assert cpu_ext.load() is not None, "the C++ CPU kernels did not build; see the warning logged"
     with forced("cpp"):
         yield
+
+
+@pytest.fixture
+def bf16_cpp() -> ModuleType:
+    """The C++ kernels where their AVX512-BF16 paths run (the GEMM, the bfloat16 attention kernels);
+    skips elsewhere."""
+    cpp = cpu_ext.load()
+    if cpp is None or not cpp.has_bf16_dot():
+        pytest.skip("needs the C++ kernels on a CPU with AVX512-BF16")
+    return cpp
 
 
 @pytest.fixture(params=["torch", "triton", "cpp"])

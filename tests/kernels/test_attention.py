@@ -7,7 +7,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import VarlenLayout, cpu_ext, paged_decode_attention, paged_prefill_attention
+from kernels import VarlenLayout, paged_decode_attention, paged_prefill_attention
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.dispatch import forced
 from tests.kernels.conftest import DEVICE
@@ -60,14 +60,11 @@ def test_decode_reference_matches_dense_attention(case: Case) -> None:
 @pytest.mark.parametrize(
     "case", [(16, 3, 3, 64), (16, 2, 4, 128), (12, 2, 1, 32), (5, 1, 8, 64), (16, 4, 2, 64), (32, 2, 3, 64)]
 )
-def test_bfloat16_dot_kernel_matches_the_generic_kernel(case: Case) -> None:
+def test_bfloat16_dot_kernel_matches_the_generic_kernel(bf16_cpp: ModuleType, case: Case) -> None:
     # the AVX512-BF16 decode kernel (head dims 32/64/128, blocks up to 16 rows; block 32 runs the
     # generic one) against the generic bfloat16 kernel and the float32 reference: many blocks, a
     # partial last block, unused slots poisoned with NaN (never read), a strided query view
-    cpp = cpu_ext.load()
-    assert cpp is not None
-    if not cpp.has_bf16_dot():
-        pytest.skip("this CPU has no AVX512-BF16")
+    cpp = bf16_cpp
     block_size, num_kv_heads, group, head_dim = case
     seqs = [1, 7, 16, 17, 300, 1050]
     paged = make_paged(seqs, block_size, num_kv_heads, head_dim, torch.bfloat16, seed=23, unused=float("nan"))
@@ -198,23 +195,16 @@ def test_bfloat16_cpu_prefill_matches_float32_reference() -> None:
     assert out.dtype == torch.bfloat16 and rel_error(out, expected) < BF16_TOL
 
 
-def _bf16_prompt_kernels() -> ModuleType:
-    cpp = cpu_ext.load()
-    if cpp is None or not cpp.has_bf16_dot():
-        pytest.skip("needs the C++ kernels on a CPU with AVX512-BF16")
-    return cpp
-
-
 @pytest.mark.parametrize(
     "case", [(16, 3, 3, 64), (16, 2, 1, 32), (5, 1, 4, 128), (8, 2, 8, 256), (16, 4, 2, 96), (32, 1, 5, 64)]
 )
-def test_bfloat16_prompt_kernel_matches_float32_reference(case: Case) -> None:
+def test_bfloat16_prompt_kernel_matches_float32_reference(bf16_cpp: ModuleType, case: Case) -> None:
     # the AVX512-BF16 prompt kernel (vdpbf16ps scores and value sums, probabilities rounded to
     # bfloat16): whole prompts from 2 tokens to several 64-key steps, chunks after cached prefixes
     # (ending inside a step and on its edge), row tiles of every width, a strided query view, beside
     # a decode row; unused cache slots poisoned with NaN (never read). Through the dispatch, which
     # must pick it: the same bits as the kernel called alone
-    cpp = _bf16_prompt_kernels()
+    cpp = bf16_cpp
     block_size, num_kv_heads, group, head_dim = case
     seqs = [(2, 2), (7, 7), (64, 64), (65, 65), (200, 200), (130, 1), (300, 37), (129, 128), (192, 64)]
     paged = make_paged(
@@ -238,8 +228,8 @@ def test_bfloat16_prompt_kernel_matches_float32_reference(case: Case) -> None:
             assert torch.equal(out[rows], alone)
 
 
-def test_bfloat16_prompt_kernel_refuses_what_it_cannot_serve() -> None:
-    cpp = _bf16_prompt_kernels()
+def test_bfloat16_prompt_kernel_refuses_what_it_cannot_serve(bf16_cpp: ModuleType) -> None:
+    cpp = bf16_cpp
     paged = make_paged([40], 16, 1, 64, torch.bfloat16, seed=25)
     q, blocks = torch.randn(8, 2, 64).to(torch.bfloat16), paged.block_tables[0, :3]
     k, v = paged.k_cache, paged.v_cache

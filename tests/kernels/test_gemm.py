@@ -7,14 +7,9 @@ import pytest
 import torch
 
 from engine.linear import Linear, WeightLayout
-from kernels import cpu_ext, gemm, gemm_bench
+from kernels import gemm, gemm_bench
 
-
-@pytest.fixture(autouse=True)
-def bf16_cpu() -> None:
-    cpp = cpu_ext.load()
-    if cpp is None or not cpp.has_bf16_dot():
-        pytest.skip("needs the C++ kernels on a CPU with AVX512-BF16")
+pytestmark = pytest.mark.usefixtures("bf16_cpp")
 
 
 def bf16_step(v: torch.Tensor) -> torch.Tensor:
