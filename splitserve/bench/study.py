@@ -151,6 +151,8 @@ def _request_rows(traces: list[RequestTrace]) -> list[dict[str, Any]]:
             "breakdown_ms": breakdown(t),
             "routing_ms": t.routing,
             "error": t.error,
+            "sent_s": t.sent,  # perf_counter seconds: the requests of one row share the clock
+            "token_ms": [round((x - t.sent) * 1e3, 2) for x in t.token_times],  # each token's arrival
         }
         for t in traces
     ]

@@ -58,6 +58,9 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
                 assert routing["estimated_ttft_ms"] == pytest.approx(routing["remote_ttft_ms"])
             # 8 or 4 tokens each: a first gap, 0 when the coordinator delivered tokens 1 and 2 in one Delta
             assert req["first_gap_ms"] is not None and req["first_gap_ms"] >= 0
+            times = req["token_ms"]  # every token's arrival, after the request was sent, in order
+            assert len(times) == req["tokens"] and times[0] == pytest.approx(req["ttft_ms"], abs=0.01)
+            assert times == sorted(times)
     assert {v["name"]: v["goodput"] in (0.0, 4.0) for v in study["variants"]} == {
         "colocated": True,
         "disaggregated": True,
