@@ -22,15 +22,15 @@ its own decode worker.
 
 A worker that runs `--long-prefill-token-threshold T` (it reports T, and how many of its queued
 tokens belong to longer prompts) does not serve its queue in order: prompts of at most T tokens go
-first, and the one long prompt's chunk fills each step's prompt tokens up to T after them (at least
-one block of B tokens). With t = min(T, per_step) there
+first, the one long prompt advancing one block of B tokens in their steps, and its chunk of up to T
+fills the steps without them. With t = min(T, per_step) there
 
     short prompt (n <= T): steps = ceil((short queued + n) / (per_step - B)), computing those short
-        tokens plus min(long queued, max(steps x t - short, steps x B)) long ones (B is 0 once no
-        long work is queued), after half the long prompt's chunk in flight (step_base +
-        min(long queued, t) x cost_per_token: a prompt arriving during a step waits out the rest)
-    long prompt:           steps = ceil((long queued + short queued + n) / t), computing all of them
-        (every queued short prompt runs first)
+        tokens plus min(long queued, steps x B) long ones (B is 0 once no long work is queued),
+        after half the long prompt's chunk in flight (step_base + min(long queued, t) x
+        cost_per_token: a prompt arriving during a step waits out the rest)
+    long prompt:           the short queued tokens' steps as above, then the rest of all of them
+        at t a step (every queued short prompt runs first)
 
 each step costing step_base, each token cost_per_token; without T, the plain FIFO compute above.
 Without this a chat behind a queued document was priced after the document.
@@ -42,10 +42,15 @@ the request joins at its next step boundary); the local path (the decode
 worker prefills the prompt itself, in chunks of the step budget its running decodes leave) costs
 
     work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
-    local_ms = work x its cost_per_token + ceil(work / spare) x its decode step (>= its step base)
+    local_ms = prompt(work) + ceil(work / spare) x its decode step (>= its step base)
                + half its decode step while it runs any (the step in flight, waited out)
+    prompt(n) = n x its prompt cost a token + ceil(n / spare) x its prompt base
     spare = its step token budget - its running sequences (one decode token each per step), at most
             its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
+
+where the prompt cost a token and base are what D reports of prompt tokens *beside its decodes*
+(`prompt_beside_decodes_*`: the fit its own time cap uses, a fixed part per step that carries prompt
+tokens and a cost a token); before it has measured one, its whole-step cost_per_token and no base.
 
 `conditional` takes the local path when it is cheaper and the uncached prompt is at most
 `local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core),
@@ -55,12 +60,11 @@ every prompt a prefill worker takes delays the long prompts queued behind it;
 `always` never prefills on a decode worker; `never` always does.
 
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): the `work` tokens
-land in its steps, `spare` a step, on top of the decodes, adding `work x cost_per_token` of step time
-(the step's fixed part is paid by the decodes anyway). A running request with `r` output tokens left
-of `n` sees the part of it computed in its remaining steps, `min(work, r x spare) x cost`, spread
-over its `n - 1` inter-token gaps:
+land in its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A
+running request with `r` output tokens left of `n` sees the part of it computed in its remaining
+steps, `prompt(min(work, r x spare))`, spread over its `n - 1` inter-token gaps:
 
-    projected_tpot = max over running requests of  step + min(work, r x spare) x cost / (n - 1)
+    projected_tpot = max over running requests of  step + prompt(min(work, r x spare)) / (n - 1)
     step = its measured decode step (step base + running x cost before it has one)
 
 and `conditional` goes local only while that stays within the target (`--tpot-guard ceiling`), so a
@@ -237,16 +241,17 @@ class Router:
         fill = min(threshold, per_step)  # a step's prompt tokens while a long prompt runs
         cost_ms = self.cost_us_per_token(worker) / 1e3
         in_flight = 0.0
+        floor = min(worker.block_size, fill) if long_work else 0
         if not long_prompt(threshold, uncached):
-            floor = min(worker.block_size, fill) if long_work else 0
             short = short_work + uncached
             steps = -(-short // max(1, per_step - floor))
-            tokens = short + min(long_work, max(steps * fill - short, steps * floor))
+            tokens = short + min(long_work, steps * floor)
             if long_work:  # the long prompt's chunk in flight, which a short prompt waits out
                 in_flight = (load.step_base_ms + min(long_work, fill) * cost_ms) / 2
         else:
+            short_steps = -(-short_work // max(1, per_step - floor))
             tokens = long_work + short_work + uncached
-            steps = -(-tokens // fill)
+            steps = short_steps + -(-max(0, tokens - short_work - short_steps * floor) // fill)
         return tokens * cost_ms + steps * load.step_base_ms + in_flight
 
     def compute_ms(self, worker: WorkerInfo, tokens: int, per_step: int | None = None) -> float:
@@ -271,25 +276,38 @@ class Router:
         work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
         steps = -(-work // spare)
         step_ms = _decode_step_ms(decode)  # its decodes ride in every step
-        ttft = work * self.cost_us_per_token(decode) / 1e3 + steps * step_ms + _step_in_flight_ms(decode)
+        ttft = self.local_prompt_ms(decode, work, spare) + steps * step_ms + _step_in_flight_ms(decode)
         return LocalEstimate(ttft, cached, spare, work, len(token_ids) - cached)
+
+    def local_prompt_ms(self, decode: WorkerInfo, tokens: int, spare: int) -> float:
+        """What `tokens` of prompt, `spare` a step, add to `decode`'s steps beyond its decodes: the
+        fit it reports of prompt tokens beside decodes (a fixed part per step that carries any, and a
+        cost a token); before it has one, its whole-step cost a token and no fixed part."""
+        load = decode.load
+        if load.prompt_beside_decodes_us_per_token <= 0:
+            return tokens * self.cost_us_per_token(decode) / 1e3
+        steps = -(-tokens // spare) if spare > 0 else 0
+        return (
+            tokens * load.prompt_beside_decodes_us_per_token / 1e3
+            + steps * load.prompt_beside_decodes_base_ms
+        )
 
     def estimate_tpot(
         self, decode: WorkerInfo, est: LocalEstimate, running: Sequence[RunningDecode]
     ) -> TpotEstimate:
         """`decode`'s projected TPOT once `est.work_tokens` of prefill land in its steps (module doc)."""
-        cost_ms = self.cost_us_per_token(decode) / 1e3
-        added = est.work_tokens * cost_ms
+        spare = est.spare_tokens
+        added = self.local_prompt_ms(decode, est.work_tokens, spare)
         load = decode.load
-        step = load.decode_step_ms or load.step_base_ms + len(running) * cost_ms
+        step = load.decode_step_ms or load.step_base_ms + len(running) * self.cost_us_per_token(decode) / 1e3
         worst, pushed = 0.0, 0
         target = self.policy.tpot_slo_ms
         before = est.work_tokens - est.own_tokens  # the prefill work D has without this prompt
         for r in running:
-            gaps, room = max(1, r.output_tokens - 1), r.remaining_tokens * est.spare_tokens
-            tpot = step + min(est.work_tokens, room) * cost_ms / gaps
+            gaps, room = max(1, r.output_tokens - 1), r.remaining_tokens * spare
+            tpot = step + self.local_prompt_ms(decode, min(est.work_tokens, room), spare) / gaps
             worst = max(worst, tpot)
-            pushed += step + min(before, room) * cost_ms / gaps <= target < tpot
+            pushed += step + self.local_prompt_ms(decode, min(before, room), spare) / gaps <= target < tpot
         return TpotEstimate(added, worst, len(running), pushed)
 
     def cached_tokens(

@@ -10,8 +10,8 @@ With `prefill_tokens_while_decoding` a step that carries decodes schedules at mo
 tokens, so a prefill beside running requests stretches their step by a bounded amount; with
 `prefill_ms_while_decoding`, at most the tokens that many milliseconds buy at the measured cost of a
 prompt token beside decodes (`prompt_cost`, which the engine updates after every step). Under
-`long_prefill_token_threshold` short prompts go before the one long prompt's chunk, which fills the
-step up to the threshold after them (`_LongPromptSlot`). When the pool is short, the newest running
+`long_prefill_token_threshold` short prompts go before the one long prompt, which keeps one block of
+their steps and fills the steps without them up to the threshold (`_LongPromptSlot`). When the pool is short, the newest running
 sequence not yet scheduled this step is preempted: its blocks are freed and it returns to the front
 of the queue to be re-prefilled.
 
@@ -37,11 +37,12 @@ class _LongPromptSlot:
 
     Under `long_prefill_token_threshold` (0: off) only the first prompt asked about with more tokens
     left than the threshold gets the slot (the scheduler asks oldest first); shorter prompts always
-    pass, and go first: the long prompt's chunk fills the step's prompt tokens up to the threshold
-    after the short prompts scheduled (`short_scheduled`) and those still waiting (`short_waiting`,
-    counted down as they are admitted), and never takes what the waiting ones need of the budget; but
-    it keeps at least `floor` (one KV block), so it advances every step however many short prompts
-    arrive."""
+    pass, and go first. In a step that carries short prompts (`short_scheduled`, or `short_waiting`
+    to be admitted after the running ones) the long prompt takes only `floor` (one KV block), so it
+    advances every step however many short prompts arrive while their step stays as short as they
+    are: the long prompt's tokens are computed all the same, a step later, and the short prompts'
+    first tokens come at once instead of after a threshold's worth of its chunk. A step without short
+    prompts gives it up to the threshold."""
 
     threshold: int
     floor: int
@@ -69,9 +70,9 @@ class _LongPromptSlot:
         """Prompt tokens `seq` may take of the `prefill` left this step."""
         if not self._is_long(seq):
             return prefill
-        waiting = sum(self.short_waiting.values())
-        fill = min(prefill - waiting, self.threshold - self.short_scheduled - waiting)
-        return max(fill, min(self.floor, prefill))
+        if self.short_scheduled or self.short_waiting:
+            return min(self.floor, prefill)  # a short prompt's step stays short; the long one advances
+        return prefill
 
     def scheduled(self, seq: Sequence, tokens: int) -> None:
         """`seq` takes `tokens` of this step's prompt tokens."""
@@ -194,7 +195,7 @@ class Scheduler:
         chunk = threshold or budget  # one prompt's share of a step
         # under the threshold, one long prompt (more than `chunk` tokens left) at a time, oldest
         # first: long prompts finish in turn instead of sharing steps, and short ones go before the
-        # long one's chunk, which fills what they leave
+        # long one, which keeps a block of their steps
         long_slot = _LongPromptSlot.for_step(threshold, min(self.kv.block_size, chunk), self.waiting)
         # decodes first, then prompt chunks (short ones, then the long one; each oldest first): a
         # prefill only gets the budget the running decodes leave (and, beside decodes, at most

@@ -264,6 +264,7 @@ class WorkerRole:
         prefilling = (s.num_uncomputed_tokens for s in sched.running)
         prompt_left += [n for n in prefilling if n > 1]  # a decode's one token is not prefill work
         threshold = config.long_prefill_token_threshold
+        beside_base_ms, beside_ms_per_token = sched.prompt_cost
         return serving_pb2.WorkerLoad(
             queued_requests=len(sched.waiting),
             queued_tokens=sum(prompt_left),
@@ -275,6 +276,8 @@ class WorkerRole:
             prefill_us_per_token=self.engine.step_cost.us_per_token,
             step_base_ms=self.engine.step_cost.base_ms,
             decode_step_ms=self.engine.decode_step_ms,
+            prompt_beside_decodes_us_per_token=beside_ms_per_token * 1e3,
+            prompt_beside_decodes_base_ms=beside_base_ms,
             prefix_cache_query_tokens=self.prefix_query_tokens,
             prefix_cache_hit_tokens=self.prefix_hit_tokens,
         )

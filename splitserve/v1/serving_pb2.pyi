@@ -1506,6 +1506,8 @@ class WorkerLoad(_message.Message):
     PREFILL_TOKENS_WHILE_DECODING_FIELD_NUMBER: _builtins.int
     LONG_PREFILL_TOKEN_THRESHOLD_FIELD_NUMBER: _builtins.int
     QUEUED_LONG_TOKENS_FIELD_NUMBER: _builtins.int
+    PROMPT_BESIDE_DECODES_US_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    PROMPT_BESIDE_DECODES_BASE_MS_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1546,6 +1548,17 @@ class WorkerLoad(_message.Message):
     """
     queued_long_tokens: _builtins.int
     """Of queued_tokens, those of prompts with more than long_prefill_token_threshold left (0 when off)."""
+    prompt_beside_decodes_us_per_token: _builtins.float
+    """Measured cost of one more prompt token in a step that also carries decodes, microseconds: the
+    slope of the engine's fit of what prompt tokens add to such a step beyond the decode step alone
+    (the cost --prefill-ms-while-decoding caps by); 0 until measured. n prompt tokens add about
+    prompt_beside_decodes_base_ms + n x this / 1000. The router prices a decode worker's local
+    prefill by it.
+    """
+    prompt_beside_decodes_base_ms: _builtins.float
+    """The fixed part of that fit, milliseconds: what a step's first prompt token beside decodes adds
+    beyond its per-token cost; 0 until measured.
+    """
     def __init__(
         self,
         *,
@@ -1562,10 +1575,12 @@ class WorkerLoad(_message.Message):
         prefill_tokens_while_decoding: _builtins.int = ...,
         long_prefill_token_threshold: _builtins.int = ...,
         queued_long_tokens: _builtins.int = ...,
+        prompt_beside_decodes_us_per_token: _builtins.float = ...,
+        prompt_beside_decodes_base_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -170,6 +170,26 @@ def test_placed_local_work_counts_against_the_next_local_estimate(served_model: 
     assert second is not None and second.local_ttft_ms == pytest.approx(400 * 0.05 + 8 * 20.0 + 10.0)
 
 
+def test_the_local_estimate_prices_prompt_tokens_at_cost_beside_decodes(served_model: ServedModel) -> None:
+    """D reports what prompt tokens add beside its decodes (2 ms a step that carries any, 100 us a
+    token): the local estimate uses that fit, not its whole-step cost, and the TPOT projection too."""
+    pool = conditional_pool(served_model, p_queued_tokens=4000)
+    beside = {"prompt_beside_decodes_us_per_token": 100.0, "prompt_beside_decodes_base_ms": 2.0}
+    pool.report("d", us_per_token=50.0, **(DECODE_LOAD | beside))
+    placement = pool.router.place(list(range(200)))  # 4 steps of 56 spare
+    assert placement is not None and placement.path == LOCAL
+    assert placement.local_ttft_ms == pytest.approx(200 * 0.1 + 4 * 2.0 + 4 * 20.0 + 10.0)
+    tpot_pool = Pool(served_model, RoutingPolicy("conditional", 256, tpot_slo_ms=80.0))
+    tpot_pool.add("p", "prefill")
+    tpot_pool.add("d", "decode", num_blocks=1000)
+    tpot_pool.report("p", queued_tokens=4000, us_per_token=50.0)
+    tpot_pool.report("d", us_per_token=50.0, **(DECODE_LOAD | beside))
+    guarded = tpot_pool.router.place(list(range(200)), lambda wid: [RunningDecode(60, 64)])
+    assert guarded is not None and guarded.path == LOCAL
+    assert guarded.local_added_ms == pytest.approx(200 * 0.1 + 4 * 2.0)
+    assert guarded.local_tpot_ms == pytest.approx(20.0 + 28.0 / 63)
+
+
 @pytest.mark.parametrize(("mode", "path"), [("always", REMOTE), ("never", LOCAL)], ids=["always", "never"])
 def test_always_and_never_ignore_the_estimates(served_model: ServedModel, mode: str, path: int) -> None:
     pool = Pool(served_model, RoutingPolicy(mode))
@@ -233,7 +253,7 @@ def test_the_cache_hit_that_loses_scaled_to_the_tiny_model(
 def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: ServedModel) -> None:
     # P queues one 4,000-token document (200 ms FIFO) but runs --long-prefill-token-threshold 128:
     # a 32-token chat waits out half the document's 128-token chunk in flight (3.2 ms), then goes
-    # first in the next step, the chunk filling it to 128 tokens (6.4 ms), and with the hop (3 ms,
+    # first in the next step beside one 16-token block of the document (2.4 ms), and with the hop (3 ms,
     # and half D's 20 ms step before token 1 streams from D) beats D's step in flight and its next one
     pool = conditional_pool(served_model, p_queued_tokens=4000)
     pool.report(
@@ -242,5 +262,5 @@ def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: Ser
     )  # fmt: skip
     placement = pool.router.place(list(range(100, 132)))
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
-    assert placement.remote_ttft_ms == pytest.approx(64 * 0.05 + 128 * 0.05 + 3.0 + 10.0)
+    assert placement.remote_ttft_ms == pytest.approx(64 * 0.05 + 48 * 0.05 + 3.0 + 10.0)
     assert placement.local_ttft_ms == pytest.approx(1.6 + 20.0 + 10.0)

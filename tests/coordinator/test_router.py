@@ -141,10 +141,10 @@ THRESHOLD_LOAD = {"us_per_token": 1000.0, "step_base_ms": 20.0, "step_token_budg
 
 def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Pool) -> None:
     """Under --long-prefill-token-threshold 128 a 64-token chat waits out half the document's chunk
-    in flight (20 + 128 ms, halved), then goes first in the next step, the document's chunk filling it
-    to 128 tokens (one step), not after the document's 1,024 tokens; a
-    second document waits for the first at 128 tokens a step. With 400 short tokens queued ahead the
-    chat rides their step, the document keeping one block (16 tokens). Without the threshold: first
+    in flight (20 + 128 ms, halved), then goes first in the next step, the document keeping one block
+    (16 tokens) of it, not after the document's 1,024 tokens; a second document waits for the first
+    at 128 tokens a step. With 400 short tokens queued ahead the chat rides their step, and a document
+    behind them all takes that step's block, then 128 tokens a step. Without the threshold: first
     come, first served."""
     pool.add("p", "prefill")
     pool.add("d", "decode", num_blocks=1000)
@@ -154,12 +154,12 @@ def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Po
         "p", queued_tokens=1024, queued_long_tokens=1024, long_prefill_token_threshold=128, **THRESHOLD_LOAD
     )
     in_flight = (20 + 128) / 2
-    assert pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 128 + 20)
+    assert pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 80 + 20)
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(2048 + 16 * 20)  # 16 steps of 128
     placed = pool.router.place(list(range(1024)))
     assert placed is not None
     pool.router.commit(placed)  # placed since the report: a long prompt too
-    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 148)
+    assert p.pending_long_tokens == 1024 and pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 100)
     assert pool.router.prefill_ms(p, 1024) == pytest.approx(3072 + 24 * 20)
     pool.report(
         "p",
@@ -170,7 +170,7 @@ def test_a_short_prompt_is_priced_beside_a_long_one_under_the_threshold(pool: Po
     )
     # 464 short tokens first, in one step of 512 with the document's 16-token floor
     assert p.pending_long_tokens == 0 and pool.router.prefill_ms(p, 64) == pytest.approx(in_flight + 500)
-    # a document behind all of it: 1,424 + 1,024 tokens at 128 a step
-    assert pool.router.prefill_ms(p, 1024) == pytest.approx(2448 + 20 * 20)
+    # a document behind all of it: the short step, then the other 2,032 tokens at 128 a step
+    assert pool.router.prefill_ms(p, 1024) == pytest.approx(2448 + 17 * 20)
     pool.report("p", queued_tokens=1024, **THRESHOLD_LOAD)  # no threshold: behind the document
     assert pool.router.prefill_ms(p, 64) == pytest.approx(1088 + 3 * 20)

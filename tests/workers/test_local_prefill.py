@@ -165,9 +165,9 @@ def test_a_short_prompt_behind_a_long_one_starts_next_step_under_the_threshold(l
 
 def test_short_prompts_go_before_the_long_prompts_chunk_which_keeps_a_block(loaded: LoadedModel) -> None:
     """Threshold 32: a 10-token prompt arriving while a 200-token one runs is prefilled in the very
-    next step, the long chunk filling that step's prompt tokens up to the threshold (22), whether
-    the budget is 32 or 64; five arriving at once want 50, and the long prompt still takes one block
-    (4 tokens) of that step. Without the threshold, at budget 32, the short prompts wait for the
+    next step, the long prompt keeping one block (4 tokens) of it so that the short prompt's step stays
+    short, whether the budget is 32 or 64; five arriving at once want 50, and the long prompt still
+    takes one block of each of their steps. Without the threshold, at budget 32, the short prompts wait for the
     long one's last chunk; the outputs are the same either way."""
 
     def run(
@@ -194,7 +194,9 @@ def test_short_prompts_go_before_the_long_prompts_chunk_which_keeps_a_block(load
         return {s.request_id: s.output_token_ids for s in seqs}, steps
 
     outputs, steps = run(32, 1)
-    assert steps[0] == {"s0": 10, "long": 22} and run(32, 1, budget=64)[1][0] == steps[0]
+    assert steps[0] == {"s0": 10, "long": 4} and run(32, 1, budget=64)[1][0] == steps[0]
+    assert steps[1] == {"long": 31}  # no short prompt left: the long chunk fills the budget again (less
+    # s0's decode token)
     free_outputs, free_steps = run(0, 1)
     assert free_steps[0] == {"long": 32} and next(i for i, s in enumerate(free_steps) if "s0" in s) == 5
     assert outputs == free_outputs
