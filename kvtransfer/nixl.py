@@ -15,6 +15,11 @@ the authenticated hello, then NIXL's connection metadata, then small frames
     WITHDRAWN(tag) (the send was abandoned) ---->  forget the RTS, DONE(tag, taken=0); a READ already
                                             started completes first (then DONE(tag, 1))
 
+Coalescing: frames queued in one event-loop turn leave in one write (a session's RTS for every
+message of a chunk, the DONEs of one READ), and the receives matched in one turn (every RTS of a read
+of the socket, or every receive a session posts at once) are read in one NIXL READ, one descriptor
+pair per message, instead of one READ each.
+
 So no byte lands anywhere the receiver did not post (the receiver initiates every write into its own
 memory), a cancelled receive is never read into (its RTS is never matched), and a receive already
 matched completes. The sender keeps an abandoned buffer registered and alive until that DONE.
@@ -49,7 +54,7 @@ from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_memory import Reads, Region, Regions, import_nixl
 from kvtransfer.tcp import TcpTransport
-from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, as_bytes
+from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, as_bytes, shut_down
 
 log = structlog.get_logger(__name__)
 
@@ -77,11 +82,19 @@ class NixlSettings:
             raise ValueError(f"register must be one of {REGISTER_MODES}, got {self.register!r}")
 
 
+@dataclass(eq=False)
+class _Read:
+    """One NIXL READ: the posted receives (by tag) matched in one event-loop turn, read together."""
+
+    handle: Any
+    recvs: dict[int, _Recv]
+
+
 @dataclass
 class _Recv:
     buf: torch.Tensor
     done: asyncio.Future[bool]
-    handle: Any = None  # the READ, once matched
+    read: _Read | None = None  # the READ it is part of, once started
     region: Region | None = None
 
 
@@ -90,7 +103,8 @@ class NixlPostedRecv(PostedRecv):
         self._peer, self._tag, self._recv = peer, tag, recv
 
     def cancel(self) -> None:
-        if self._recv.handle is None and not self._recv.done.done():
+        matched = self._recv.read is not None or self._tag in self._peer._matched
+        if not matched and not self._recv.done.done():
             self._peer._posted.pop(self._tag, None)
             self._recv.done.set_result(False)
 
@@ -114,9 +128,12 @@ class NixlPeer(Peer):
         self._sock, self._transport, self.remote = sock, transport, remote
         self._agent = transport.agent
         self._loop = asyncio.get_running_loop()
-        self._write_lock = asyncio.Lock()
+        self._out: list[bytes] = []  # frames queued for the writer, sent together
+        self._writer: asyncio.Task[None] | None = None
+        self._closing: asyncio.Task[None] | None = None  # closes the socket once the peer is lost
         self._posted: dict[int, _Recv] = {}
         self._rts: dict[int, tuple[int, int, int]] = {}  # tag -> (addr, nbytes, device) before posting
+        self._matched: dict[int, tuple[int, int, int]] = {}  # posted and announced: read next turn
         self._sends: dict[int, _Send] = {}
         self._announced: set[int] = set()  # serials of the regions whose metadata the peer has
         self._backend = "UCX"
@@ -128,16 +145,22 @@ class NixlPeer(Peer):
 
     # -- frames ------------------------------------------------------------------------------------
 
-    async def _write(
+    def _write(
         self, kind: int, tag: int, addr: int = 0, nbytes: int = 0, device: int = -1, payload: bytes = b""
-    ) -> None:
-        async with self._write_lock:
-            frame = _FRAME.pack(kind, tag, addr, nbytes, device, len(payload)) + payload
-            await self._loop.sock_sendall(self._sock, frame)
+    ) -> asyncio.Task[None]:
+        """Queue one frame; the returned writer task ends once it is on the socket. Frames queued in
+        one event-loop turn (a session's RTS for every message it sends at once, the DONE of every
+        receive one READ completed) leave in one `sendall`; a write error loses the peer."""
+        self._out.append(_FRAME.pack(kind, tag, addr, nbytes, device, len(payload)) + payload)
+        if self._writer is None or self._writer.done():
+            self._writer = asyncio.ensure_future(self._drain())
+            self._writer.add_done_callback(self._check_write)
+        return self._writer
 
-    def _spawn_write(self, *args: Any) -> None:
-        task = asyncio.ensure_future(self._write(*args))
-        task.add_done_callback(self._check_write)
+    async def _drain(self) -> None:
+        while self._out:
+            frames, self._out = self._out, []
+            await self._loop.sock_sendall(self._sock, b"".join(frames))
 
     def _check_write(self, task: asyncio.Future[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
@@ -162,7 +185,7 @@ class NixlPeer(Peer):
             if payload:
                 self._agent.add_remote_agent(payload)  # the sender's new registration
             if tag in self._posted:
-                self._start_read(tag, (addr, nbytes, device))
+                self._match(tag, (addr, nbytes, device))
             elif tag in self._rts or len(self._rts) < MAX_UNMATCHED_RTS:
                 self._rts[tag] = (addr, nbytes, device)
             else:
@@ -171,8 +194,9 @@ class NixlPeer(Peer):
             self._on_done(tag, bool(addr))
         elif kind == _WITHDRAWN:
             if self._rts.pop(tag, None) is not None or tag not in self._posted:
-                self._spawn_write(_DONE, tag, 0)
-            # else: a READ is in flight; its completion answers with DONE
+                self._write(_DONE, tag, 0)
+            # else: matched, its READ in flight or starting at the end of this turn: its
+            # completion answers with DONE
         else:
             raise ConnectionError(f"bad frame type {kind}")
 
@@ -186,51 +210,86 @@ class NixlPeer(Peer):
         as_bytes(buf)  # contiguous, or ValueError before anything is posted
         recv = self._posted[tag] = _Recv(buf, self._loop.create_future())
         if tag in self._rts:  # the sender was first
-            try:
-                self._start_read(tag, self._rts.pop(tag))
-            except Exception as e:
-                self._fail(f"cannot read from peer: {e!r}")
+            self._match(tag, self._rts.pop(tag))
         return NixlPostedRecv(self, tag, recv)
 
-    def _start_read(self, tag: int, remote: tuple[int, int, int]) -> None:
-        """Match the posted receive of `tag` with the sender's buffer `remote`: READ it into ours."""
-        recv = self._posted[tag]
-        addr, nbytes, device = remote
-        flat = as_bytes(recv.buf)
-        if nbytes != flat.numel():
-            raise ConnectionError(f"message {tag:#x} has {nbytes} bytes, the posted receive {flat.numel()}")
-        agent = self._agent
-        region = self._transport.regions.acquire(recv.buf)
-        try:
-            local = agent.get_xfer_descs(flat)
-            far = agent.get_xfer_descs([(addr, nbytes, max(device, 0))], "DRAM" if device < 0 else "VRAM")
-            handle = agent.initialize_xfer("READ", local, far, self.remote)  # NIXL checks `far` is
-        except Exception:  # inside a registration the peer announced; else it raises
-            self._transport.regions.release(region)
-            raise
-        recv.region, recv.handle = region, handle
-        state = agent.transfer(handle)
-        self._transport.reads.watch(recv.handle, state, lambda s: self._read_ended(tag, recv, s))
+    def _match(self, tag: int, remote: tuple[int, int, int]) -> None:
+        """The posted receive of `tag` meets the sender's buffer `remote`: read at the end of this
+        loop turn, in one READ with every other receive matched in it."""
+        if not self._matched:
+            self._loop.call_soon(self._start_reads)
+        self._matched[tag] = remote
 
-    def _read_ended(self, tag: int, recv: _Recv, state: str) -> None:
-        if self._backend == "UCX" and state == "DONE":
-            self._backend = self._agent.query_xfer_backend(recv.handle)
+    def _start_reads(self) -> None:
+        matched, self._matched = self._matched, {}
+        if self.lost or not matched:
+            return
+        by_kind: dict[tuple[str, str], dict[int, tuple[int, int, int]]] = {}
+        for tag, remote in matched.items():
+            kinds = (_mem_type(self._posted[tag].buf.device.type == "cuda"), _mem_type(remote[2] >= 0))
+            by_kind.setdefault(kinds, {})[tag] = remote
         try:
-            recv.handle.release()
+            for (here, there), group in by_kind.items():
+                self._start_read(group, here, there)
+        except Exception as e:
+            self._fail(f"cannot read from peer: {e!r}")
+
+    def _start_read(self, group: dict[int, tuple[int, int, int]], here: str, there: str) -> None:
+        """One NIXL READ of every (tag -> the sender's (addr, nbytes, device)) in `group` into the
+        receives posted under those tags, one descriptor pair per message."""
+        recvs = {tag: self._posted[tag] for tag in group}
+        local, far = [], []
+        for tag, (addr, nbytes, device) in group.items():
+            flat = as_bytes(recvs[tag].buf)
+            if nbytes != flat.numel():
+                raise ConnectionError(
+                    f"message {tag:#x} has {nbytes} bytes, the posted receive {flat.numel()}"
+                )
+            local.append((flat.data_ptr(), nbytes, max(flat.get_device(), 0)))
+            far.append((addr, nbytes, max(device, 0)))
+        agent, regions = self._agent, self._transport.regions
+        acquired = []
+        try:
+            for recv in recvs.values():
+                acquired.append(regions.acquire(recv.buf))
+            handle = agent.initialize_xfer(  # NIXL checks every `far` descriptor lies inside a
+                "READ",  # registration the peer announced, else it raises
+                agent.get_xfer_descs(local, here),
+                agent.get_xfer_descs(far, there),
+                self.remote,
+            )
+        except Exception:
+            for region in acquired:
+                regions.release(region)
+            raise
+        read = _Read(handle, recvs)
+        self._transport.read_requests += 1
+        self._transport.messages_read += len(recvs)
+        for recv, region in zip(recvs.values(), acquired, strict=True):
+            recv.region, recv.read = region, read
+        state = agent.transfer(handle)
+        self._transport.reads.watch(handle, state, lambda s: self._read_ended(read, s))
+
+    def _read_ended(self, read: _Read, state: str) -> None:
+        if self._backend == "UCX" and state == "DONE":
+            self._backend = self._agent.query_xfer_backend(read.handle)
+        try:
+            read.handle.release()
         except Exception as e:  # NIXL keeps a handle it cannot free; nothing more will land
-            log.warning("nixl transfer handle not released", tag=tag, error=repr(e))
-        assert recv.region is not None
-        self._transport.regions.release(recv.region)
-        self._posted.pop(tag, None)
-        if state == "DONE" and not self.lost:
-            self._spawn_write(_DONE, tag, 1)
-        if not recv.done.done():
-            if state == "DONE":
-                recv.done.set_result(True)
-            else:
-                recv.done.set_exception(PeerLost(self.lost_reason or f"NIXL READ of {tag:#x} failed"))
+            log.warning("nixl transfer handle not released", tags=len(read.recvs), error=repr(e))
+        for tag, recv in read.recvs.items():
+            assert recv.region is not None
+            self._transport.regions.release(recv.region)
+            self._posted.pop(tag, None)
+            if state == "DONE" and not self.lost:
+                self._write(_DONE, tag, 1)
+            if not recv.done.done():
+                if state == "DONE":
+                    recv.done.set_result(True)
+                else:
+                    recv.done.set_exception(PeerLost(self.lost_reason or f"NIXL READ of {tag:#x} failed"))
         if state != "DONE":
-            self._fail(f"NIXL READ of {tag:#x} failed")
+            self._fail(f"NIXL READ of {len(read.recvs)} message(s) failed")
         if self.lost:
             self._forget_remote()
 
@@ -246,13 +305,16 @@ class NixlPeer(Peer):
         if self._transport.regions.whole_storage:  # else every region is new: nothing to remember
             self._announced.add(region.serial)
         try:
-            await self._write(_RTS, tag, flat.data_ptr(), flat.numel(), flat.get_device(), metadata)
+            # shielded: cancelling this send must not cancel the writer other frames ride on
+            await asyncio.shield(
+                self._write(_RTS, tag, flat.data_ptr(), flat.numel(), flat.get_device(), metadata)
+            )
             await send.taken
         except asyncio.CancelledError:
             if not self.lost and tag in self._sends:
                 # The receiver may be reading `buf` now: keep it until its DONE answers WITHDRAWN.
                 send.abandoned = True
-                self._spawn_write(_WITHDRAWN, tag)
+                self._write(_WITHDRAWN, tag)
                 raise
             self._finish_send(tag)
             raise
@@ -281,20 +343,23 @@ class NixlPeer(Peer):
     def _fail(self, reason: str) -> None:
         if self.lost:
             return
-        self._sock.close()
+        # our reader may be waiting on the socket: a READ that failed in a callback loses the peer
+        self._closing = shut_down(self._sock, *[t for t in (self._reader, self._writer) if t is not None])
         self._mark_lost(reason)
+        self._matched.clear()
+        reads = {id(r.read): r.read for r in self._posted.values() if r.read is not None}
         for tag, recv in list(self._posted.items()):
-            if recv.handle is None:
+            if recv.read is None:
                 del self._posted[tag]
                 recv.done.set_exception(PeerLost(reason))
-            else:  # READ in flight: cancel it; its end (now or later) fails the receive
-                try:
-                    recv.handle.release()
-                except Exception:
-                    continue  # NIXL could not cancel it: the watcher reports its end
-                self._transport.reads.forget(recv.handle)
-                recv.handle = _Released()
-                self._read_ended(tag, recv, "ERR")
+        for read in reads.values():  # READs in flight: cancel each; its end (now or later) fails them
+            try:
+                read.handle.release()
+            except Exception:
+                continue  # NIXL could not cancel it: the watcher reports its end
+            self._transport.reads.forget(read.handle)
+            read.handle = _Released()
+            self._read_ended(read, "ERR")
         for send in self._sends.values():
             if not send.taken.done() and not send.abandoned:  # nobody awaits an abandoned one
                 send.taken.set_exception(PeerLost(reason))
@@ -312,6 +377,13 @@ class NixlPeer(Peer):
     async def close(self) -> None:
         self._reader.cancel()
         await asyncio.gather(self._reader, return_exceptions=True)
+        if self._closing is not None:
+            await self._closing
+
+
+def _mem_type(device: bool) -> str:
+    """NIXL's memory type of a buffer on a GPU (`device`) or in host memory."""
+    return "VRAM" if device else "DRAM"
 
 
 class _Released:
@@ -356,6 +428,8 @@ class NixlTransport(TcpTransport):
         self.name = f"splitserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.regions: Regions
         self.reads: Reads
+        self.read_requests = 0  # NIXL READs this process started, and the messages they carried
+        self.messages_read = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         self._nixl = nixl = import_nixl()

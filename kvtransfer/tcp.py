@@ -31,7 +31,7 @@ from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.hello import HELLO_MAX_BYTES, HelloChannel, HelloRefused
 from kvtransfer.lanes import transport_label
 from kvtransfer.layout import KVLayout
-from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes
+from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, Transport, as_bytes, shut_down
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +76,7 @@ class TcpPeer(Peer):
         self._posted: dict[int, _Recv] = {}
         self._rts: dict[int, int] = {}  # tag -> nbytes announced before a receive was posted
         self._cts: dict[int, asyncio.Future[None]] = {}  # our sends waiting for the receiver
+        self._closing: asyncio.Task[None] | None = None  # closes the socket once the peer is lost
         self._reader = asyncio.ensure_future(self._read_loop())
 
     @property
@@ -161,8 +162,12 @@ class TcpPeer(Peer):
                 waiter.set_exception(PeerLost(reason))
         self._posted.clear()
         self._cts.clear()
-        self._sock.close()
+        self._closing = shut_down(self._sock, self._reader, self._writes_done())
         self._mark_lost(reason)
+
+    async def _writes_done(self) -> None:
+        async with self._write_lock:  # the write holding it ends (EPIPE once shut down)
+            pass
 
     def post_recv(self, tag: int, buf: torch.Tensor) -> TcpPostedRecv:
         if self.lost:
@@ -211,6 +216,8 @@ class TcpPeer(Peer):
         self._reader.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._reader
+        if self._closing is not None:
+            await self._closing
 
 
 class TcpTransport(Transport):

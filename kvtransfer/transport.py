@@ -18,9 +18,11 @@ and unmodified until the operation finished (`PostedRecv.wait()` returned / `sen
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 import torch
@@ -218,3 +220,19 @@ def as_bytes(buf: torch.Tensor) -> torch.Tensor:
     if not buf.is_contiguous():
         raise ValueError("transport buffers must be contiguous")
     return buf.reshape(-1).view(torch.uint8)
+
+
+def shut_down(sock: socket.socket, *busy: Awaitable[object]) -> asyncio.Task[None]:
+    """End a lost peer's socket from any callback: shut it down now (a read waiting on it sees EOF, a
+    write EPIPE) and close the fd only once `busy` (its reader, its writes) ended. Closing at once
+    would free the fd under a pending `sock_recv`: the selector keeps watching the number, the next
+    socket reuses it, and that socket's reads never wake (measured: the next connection's hello
+    timed out). The returned task closes it; a peer's close() awaits it."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+    async def close_after() -> None:
+        await asyncio.gather(*busy, return_exceptions=True)
+        sock.close()
+
+    return asyncio.ensure_future(close_after())

@@ -98,6 +98,28 @@ async def test_bytes_land_exactly_once_and_a_matched_receive_outlives_cancel(pai
     await asyncio.wait_for(sending, WAIT_S)
 
 
+async def test_messages_sent_together_are_read_in_one_nixl_read(pair: Pair) -> None:
+    """Eight receives posted at once into the non-contiguous slices of one pool, then eight sends at
+    once (a session's chunk): their RTS frames leave together and the receiver reads all eight in one
+    NIXL READ, one descriptor each, bit-exact; a receive posted later is a READ of its own."""
+    src = torch.randint(0, 256, (32, 4096), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    rows = [3, 0, 9, 4, 17, 30, 12, 6]
+    posted = [pair.to_sender.post_recv(200 + i, dst[r]) for i, r in enumerate(rows)]
+    side = pair.recv_side
+    before = (side.read_requests, side.messages_read)
+    sends = [pair.to_receiver.send(200 + i, src[i]) for i in range(len(rows))]
+    await asyncio.wait_for(asyncio.gather(*sends), WAIT_S)
+    assert all([await p.wait() for p in posted])
+    assert (side.read_requests, side.messages_read) == (before[0] + 1, before[1] + 8)
+    for i, r in enumerate(rows):
+        assert torch.equal(dst[r], src[i])
+    later = pair.to_sender.post_recv(300, dst[31])
+    await asyncio.wait_for(pair.to_receiver.send(300, src[31]), WAIT_S)
+    assert await later.wait() and torch.equal(dst[31], src[31])
+    assert side.read_requests == before[0] + 2
+
+
 async def test_a_cancelled_receive_is_never_read_into(pair: Pair) -> None:
     src = torch.full((1 << 20,), 7, dtype=torch.uint8)
     dst = torch.zeros_like(src)
