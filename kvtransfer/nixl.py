@@ -309,7 +309,8 @@ class NixlPeer(Peer):
             await asyncio.shield(
                 self._write(_RTS, tag, flat.data_ptr(), flat.numel(), flat.get_device(), metadata)
             )
-            await send.taken
+            with self._transport.reads.sending():
+                await send.taken
         except asyncio.CancelledError:
             if not self.lost and tag in self._sends:
                 # The receiver may be reading `buf` now: keep it until its DONE answers WITHDRAWN.
@@ -436,7 +437,7 @@ class NixlTransport(TcpTransport):
         config = nixl.nixl_agent_config(enable_prog_thread=self.settings.progress_thread, backends=["UCX"])
         self.agent = nixl.nixl_agent(self.name, config)
         self.regions = Regions(self.agent, self.settings.register == "storage")
-        self.reads = Reads(self.agent)
+        self.reads = Reads(self.agent, progress_sends=not self.settings.progress_thread)
         address = await super().start(host, port)
         log.info("nixl agent ready", name=self.name, settings=self.settings)
         return address

@@ -8,7 +8,7 @@ import contextlib
 import importlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,12 +87,28 @@ class Regions:
 
 class Reads:
     """Watches this process's READs in flight: the event loop checks each one's state every turn
-    while any is in flight (progressing NIXL when its progress thread is off), and never otherwise."""
+    while any is in flight (progressing NIXL when its progress thread is off), and never otherwise.
+    With `progress_sends` (NIXL's progress thread off) it also progresses the agent every turn while
+    a send of ours waits for its READ (`sending`): the peer's READ needs our side's UCX worker to
+    answer its endpoint's wireup, and without a thread nothing else would run it."""
 
-    def __init__(self, agent: Any) -> None:
+    def __init__(self, agent: Any, progress_sends: bool = False) -> None:
         self.agent = agent
+        self.progress_sends = progress_sends
         self._watched: dict[Any, Callable[[str], None]] = {}
+        self._sending = 0
         self._task: asyncio.Task[None] | None = None
+
+    @contextlib.contextmanager
+    def sending(self) -> Iterator[None]:
+        """Around a send's wait for the receiver's READ."""
+        self._sending += 1
+        if self.progress_sends and self._task is None:
+            self._task = asyncio.ensure_future(self._spin())
+        try:
+            yield
+        finally:
+            self._sending -= 1
 
     def watch(self, handle: Any, state: str, callback: Callable[[str], None]) -> None:
         """Call `callback("DONE" | "ERR")` on the loop once the transfer ended."""
@@ -109,7 +125,9 @@ class Reads:
 
     async def _spin(self) -> None:
         try:
-            while self._watched:
+            while self._watched or (self.progress_sends and self._sending):
+                if self.progress_sends and self._sending:
+                    self.agent.get_new_notifs()  # progresses the agent's workers
                 for handle, callback in list(self._watched.items()):
                     try:
                         state = self.agent.check_xfer_state(handle)

@@ -51,9 +51,14 @@ class Pair:
         await self.send_side.close()
 
 
-@pytest.fixture(params=["storage", "tensor"])
+@pytest.fixture(params=["storage", "tensor", "no-thread"])
 async def pair(request: pytest.FixtureRequest) -> AsyncIterator[Pair]:
-    p = Pair(NixlSettings(register=request.param))
+    """The two registration modes, and NIXL's progress thread off (the sender's loop progresses its
+    agent while a send waits for the READ: without it the READ's endpoint never finished wiring up)."""
+    if request.param == "no-thread":
+        p = Pair(NixlSettings(progress_thread=False))
+    else:
+        p = Pair(NixlSettings(register=request.param))
     await p.start()
     yield p
     await p.close()
