@@ -46,14 +46,18 @@ class _LongPromptSlot:
 
     threshold: int
     floor: int
-    short_waiting: dict[Sequence, int]  # waiting short prompt -> its tokens left
+    short_waiting: set[Sequence]  # waiting short prompts, not yet admitted this step
     short_scheduled: int = 0
     taken: bool = False
 
     @classmethod
     def for_step(cls, threshold: int, floor: int, waiting: Iterable[Sequence]) -> _LongPromptSlot:
-        left = {s: s.num_uncomputed_tokens for s in waiting} if threshold else {}
-        return cls(threshold, floor, {s: n for s, n in left.items() if not long_prompt(threshold, n)})
+        short = (
+            {s for s in waiting if not long_prompt(threshold, s.num_uncomputed_tokens)}
+            if threshold
+            else set()
+        )
+        return cls(threshold, floor, short)
 
     def _is_long(self, seq: Sequence) -> bool:
         return long_prompt(self.threshold, seq.num_uncomputed_tokens)
@@ -76,7 +80,7 @@ class _LongPromptSlot:
 
     def scheduled(self, seq: Sequence, tokens: int) -> None:
         """`seq` takes `tokens` of this step's prompt tokens."""
-        self.short_waiting.pop(seq, None)
+        self.short_waiting.discard(seq)
         if not self._is_long(seq):
             self.short_scheduled += tokens
 

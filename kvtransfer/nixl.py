@@ -348,12 +348,12 @@ class NixlPeer(Peer):
         self._closing = shut_down(self._sock, *[t for t in (self._reader, self._writer) if t is not None])
         self._mark_lost(reason)
         self._matched.clear()
-        reads = {id(r.read): r.read for r in self._posted.values() if r.read is not None}
+        reads = {r.read for r in self._posted.values() if r.read is not None}
         for tag, recv in list(self._posted.items()):
             if recv.read is None:
                 del self._posted[tag]
                 recv.done.set_exception(PeerLost(reason))
-        for read in reads.values():  # READs in flight: cancel each; its end (now or later) fails them
+        for read in reads:  # READs in flight: cancel each; its end (now or later) fails them
             try:
                 read.handle.release()
             except Exception:
