@@ -185,6 +185,9 @@ class NixlPeer(Peer):
             if payload:
                 self._agent.add_remote_agent(payload)  # the sender's new registration
             if tag in self._posted:
+                if self._posted[tag].read is not None or tag in self._matched:
+                    # a second READ would land in the buffer after its receive completed
+                    raise ConnectionError(f"a second RTS for message {tag:#x}, already being read")
                 self._match(tag, (addr, nbytes, device))
             elif tag in self._rts or len(self._rts) < MAX_UNMATCHED_RTS:
                 self._rts[tag] = (addr, nbytes, device)

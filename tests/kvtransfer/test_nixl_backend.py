@@ -125,6 +125,28 @@ async def test_messages_sent_together_are_read_in_one_nixl_read(pair: Pair) -> N
     assert side.read_requests == before[0] + 2
 
 
+async def test_a_second_announcement_of_a_matched_message_drops_the_peer() -> None:
+    """A broken (or hostile) sender announcing a message twice must not get a second READ into a
+    receive that the first completes: the receiver drops the peer and fails the receive."""
+    from kvtransfer.nixl import _RTS
+
+    p = Pair(NixlSettings())
+    await p.start()
+    try:
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        posted = p.to_sender.post_recv(7, dst)
+        sender = p.to_receiver
+        sender._write(_RTS, 7, 0, dst.numel())  # type: ignore[attr-defined]
+        await sender._write(_RTS, 7, 0, dst.numel())  # type: ignore[attr-defined]  # one write, both
+        await _until(lambda: p.to_sender.lost, "the receiver dropped the peer")
+        assert "a second RTS for message 0x7" in (p.to_sender.lost_reason or "")
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(posted.wait(), WAIT_S)
+        assert int(dst.count_nonzero()) == 0
+    finally:
+        await p.close()
+
+
 async def test_a_cancelled_receive_is_never_read_into(pair: Pair) -> None:
     src = torch.full((1 << 20,), 7, dtype=torch.uint8)
     dst = torch.zeros_like(src)
