@@ -6,10 +6,13 @@
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
     kvbench run --backend ucx,nixl,nixl-raw --busy 2      # beside raw NIXL, 2 busy loops running
+    kvbench run --backend ucx-get,nixl-raw --rounds 4     # A B, B A, A B, B A: per-round "vs peer", median
     kvbench run --backend ucx,tcp,nixl-raw --netns --mtu 1500  # two "hosts": namespaces + a veth pair (root)
 
 Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
-one row per point with its ratio to it. Exits 1 when any verification failed.
+one row per point with its ratio to it; with the `nixl-raw` peer row in the run, each row of ours
+also gets `vs peer` (its GB/s over the peer's at the same point in the same round) and, with
+`--rounds`, a summary of those ratios round by round. Exits 1 when any verification failed.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import json
 import shlex
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from kvtransfer.bench import agent, get_loops, model_sweep, netns, nixl_sweep, report, runner
@@ -58,6 +62,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--duration", type=float, default=2.0, help="seconds per measured run (after a warm-up run)"
     )
     run.add_argument("--repeats", type=int, default=3)
+    run.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the backend list this many times, reversed every other round (A B, B A, ...), so "
+        "a ratio between backends is taken from neighbouring measurements; prints each round's "
+        "`vs peer` ratios and their median",
+    )
     run.add_argument("--progress-mode", default=None, help="UCX progress mode (default: kvtransfer's)")
     run.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE", help="extra UCX option")
     run.add_argument(
@@ -136,6 +148,7 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
         depths=args.depth,
         duration_s=args.duration,
         repeats=args.repeats,
+        rounds=args.rounds,
         progress_mode=args.progress_mode,
         ucx_opts=args.ucx_opt,
         peer=args.peer,
@@ -153,6 +166,8 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     )
     if cfg.busy < 0:
         raise SystemExit(f"--busy takes a count of busy loops >= 0, got {cfg.busy}")
+    if cfg.rounds < 1:
+        raise SystemExit(f"--rounds takes a count of rounds >= 1, got {cfg.rounds}")
     known = [*runner.BACKEND_ARGS, *runner.PEER_BACKENDS]
     unknown = [b for b in cfg.backends if b not in known]
     if unknown:
@@ -203,32 +218,31 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
     shaped = list(cfg.backends) if cfg.model_shape else []
     progress = report.Progress(
-        len(cfg.backends) * len(cfg.sizes) * len(cfg.depths) + len(shaped) * len(cfg.tokens)
+        cfg.rounds * (len(cfg.backends) * len(cfg.sizes) * len(cfg.depths) + len(shaped) * len(cfg.tokens))
     )
     rows: list[report.Row] = []
-    for backend in cfg.backends:
-        if cfg.sizes and backend == "nixl-raw":
-            rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
-        elif cfg.sizes and backend == get_loops.BACKEND:
-            rows += await get_loops.get_sweep(cfg, memcpy, progress)
-        elif cfg.sizes:
-            rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
-        if backend in shaped and backend == "nixl-raw":
-            rows += await nixl_sweep.nixl_model_sweep(cfg, memcpy_for, progress)
-        elif backend in shaped:
-            rows += await model_sweep.model_sweep(cfg, backend, memcpy_for, progress)
+    for round_ in range(cfg.rounds):
+        for backend in cfg.backends if round_ % 2 == 0 else cfg.backends[::-1]:
+            measured = await _backend_rows(cfg, backend, backend in shaped, memcpy, memcpy_for, progress)
+            rows += [{**row, "round": round_} for row in measured]
     model_sweep.add_raw_ratios(rows)
+    report.add_peer_ratios(rows)
     raw_rows = [r for r in rows if r["mode"] == "raw"]
     if raw_rows:
         print(report.table(raw_rows, report.COLUMNS))
     if cfg.model_shape:
         print(report.table([r for r in rows if r["mode"] == "model"], report.MODEL_COLUMNS))
+    if cfg.rounds > 1 and (summary := report.peer_summary(rows)):
+        print(
+            f"vs peer ({report.PEER}) round by round, {cfg.rounds} rounds, order reversed every other round:"
+        )
+        print(summary)
     if args.json:
         report.write_json_lines(rows, args.json)
     if args.csv:
         report.write_csv(rows, args.csv)
     if args.plot and raw_rows:
-        report.plot(raw_rows, memcpy, args.plot)
+        report.plot([r for r in raw_rows if r["round"] == 0], memcpy, args.plot)  # the first round
     if cfg.busy:
         print(f"{cfg.busy} busy loop(s) ran beside the agents (column `busy`)", file=sys.stderr)
     print(f"agent logs: {args.agent_log}", file=sys.stderr)
@@ -236,6 +250,29 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
     if failed:
         print(f"verification FAILED for {len(failed)} row(s)", file=sys.stderr)
     return 1 if failed else 0
+
+
+async def _backend_rows(
+    cfg: runner.BenchConfig,
+    backend: str,
+    shaped: bool,
+    memcpy: dict[int, float],
+    memcpy_for: Callable[[int], float],
+    progress: report.Progress,
+) -> list[report.Row]:
+    """One backend's rows of one round: its raw sizes, then (`shaped`) its model-shaped prompts."""
+    rows: list[report.Row] = []
+    if cfg.sizes and backend == "nixl-raw":
+        rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
+    elif cfg.sizes and backend == get_loops.BACKEND:
+        rows += await get_loops.get_sweep(cfg, memcpy, progress)
+    elif cfg.sizes:
+        rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
+    if shaped and backend == "nixl-raw":
+        rows += await nixl_sweep.nixl_model_sweep(cfg, memcpy_for, progress)
+    elif shaped:
+        rows += await model_sweep.model_sweep(cfg, backend, memcpy_for, progress)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -153,17 +153,14 @@ def model_row(
 
 def add_raw_ratios(rows: list[Row]) -> None:
     """Give every model row `raw_gbps`/`raw_ratio`: its GB/s against the same backend's raw row of
-    the largest size measured in the run (`--raw-sizes`), where there is one."""
-    raw: dict[str, Row] = {}
+    the largest size measured in its round of the run (`--raw-sizes`), where there is one."""
+    raw: dict[tuple[str, int], Row] = {}
     for r in rows:
-        if (
-            r["mode"] == "raw"
-            and r["depth"] == 1
-            and r["size_bytes"] >= raw.get(r["backend"], r)["size_bytes"]
-        ):
-            raw[r["backend"]] = r
+        key = (r["backend"], r.get("round", 0))
+        if r["mode"] == "raw" and r["depth"] == 1 and r["size_bytes"] >= raw.get(key, r)["size_bytes"]:
+            raw[key] = r
     for r in rows:
-        if r["mode"] == "model" and r["backend"] in raw:
-            base = raw[r["backend"]]
+        if r["mode"] == "model" and (r["backend"], r.get("round", 0)) in raw:
+            base = raw[(r["backend"], r.get("round", 0))]
             r["raw_size"], r["raw_gbps"] = base["size"], base["gbps"]
             r["raw_ratio"] = r["gbps"] / base["gbps"] if base["gbps"] else 0.0

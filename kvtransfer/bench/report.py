@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,8 @@ COLUMNS = [
     ("gbits", "Gb/s", "{:.1f}"),
     ("memcpy_gbps", "memcpy", "{:.2f}"),
     ("ratio", "ratio", "{:.2f}"),
+    ("peer_ratio", "vs peer", "{:.2f}"),
+    ("round", "round", "{}"),
     ("p50_us", "p50 us", "{:.0f}"),
     ("p99_us", "p99 us", "{:.0f}"),
     ("p999_us", "p99.9 us", "{:.0f}"),
@@ -59,6 +62,8 @@ MODEL_COLUMNS = [
     ("memcpy_gbps", "memcpy", "{:.2f}"),
     ("ratio", "ratio", "{:.2f}"),
     ("raw_ratio", "vs raw", "{:.2f}"),
+    ("peer_ratio", "vs peer", "{:.2f}"),
+    ("round", "round", "{}"),
     ("verified", "verified", "{}"),
     ("transport", "transport", "{}"),
 ]
@@ -116,6 +121,57 @@ def table(rows: Sequence[Row], columns: Sequence[tuple[str, str, str]] = COLUMNS
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+PEER = "nixl-raw"  # the best peer kvbench runs beside ours (kvtransfer/bench/nixl_sweep.py)
+
+
+def _point(r: Row) -> tuple[Any, ...]:
+    """What makes two rows the same measurement point: mode, busy, size (raw) or prompt (model), depth."""
+    return (r["mode"], r["busy"], r["size_bytes"] if r["mode"] == "raw" else r["tokens"], r.get("depth"))
+
+
+def add_peer_ratios(rows: list[Row]) -> None:
+    """Give every row of ours `peer_ratio`: its GB/s over the peer row's at the same point in the
+    same round, where the run measured one."""
+    peer = {(*_point(r), r.get("round", 0)): r for r in rows if r["backend"] == PEER}
+    for r in rows:
+        base = peer.get((*_point(r), r.get("round", 0)))
+        if r["backend"] != PEER and base is not None:
+            r["peer_ratio"] = r["gbps"] / base["gbps"] if base["gbps"] else 0.0
+
+
+def peer_summary(rows: Sequence[Row]) -> str:
+    """Each (backend, point)'s `peer_ratio` round by round and their median, as a table ("" if none)."""
+    by_point: dict[tuple[Any, ...], list[Row]] = {}
+    for r in rows:
+        if "peer_ratio" in r:
+            by_point.setdefault((r["backend"], *_point(r)), []).append(r)
+    summary = []
+    for (backend, mode, busy, _, depth), mine in by_point.items():
+        ratios = [r["peer_ratio"] for r in sorted(mine, key=lambda r: r["round"])]
+        point = mine[0]["size"] if mode == "raw" else f"{mine[0]['tokens']} tokens"
+        summary.append(
+            {
+                "busy": busy,
+                "backend": backend,
+                "point": point if depth in (None, 1) else f"{point} depth {depth}",
+                "rounds": " ".join(f"{x:.2f}" for x in ratios),
+                "median": statistics.median(ratios),
+                "min": min(ratios),
+            }
+        )
+    return table(summary, SUMMARY_COLUMNS) if summary else ""
+
+
+SUMMARY_COLUMNS = [
+    ("busy", "busy", "{}"),
+    ("backend", "backend", "{}"),
+    ("point", "point", "{}"),
+    ("rounds", "vs peer, round by round", "{}"),
+    ("median", "median", "{:.2f}"),
+    ("min", "min", "{:.2f}"),
+]
 
 
 def write_json_lines(rows: Sequence[Row], path: Path) -> None:

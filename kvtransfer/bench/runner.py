@@ -47,6 +47,7 @@ class BenchConfig:
     depths: list[int] = field(default_factory=lambda: [1])
     duration_s: float = 2.0
     repeats: int = 3
+    rounds: int = 1  # the backend list this many times, reversed every other round
     progress_mode: str | None = None
     ucx_opts: list[str] = field(default_factory=list)
     peer: str | None = None  # control endpoint of a remote `kvbench serve` (receiver side)

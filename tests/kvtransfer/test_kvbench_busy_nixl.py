@@ -121,3 +121,44 @@ def test_nixl_model_rows_read_a_prompts_scattered_blocks_verified(tmp_path: Path
         r["verified"] and r["transfer_ms"] > 0 and r["transport"] == "nixl:UCX READ thread off" for r in rows
     )
     assert 1 < rows[1]["messages"] < rows[1]["blocks"]  # fragmented on both sides, runs coalesced
+
+
+def test_a_round_count_below_one_is_refused() -> None:
+    with pytest.raises(SystemExit, match="--rounds takes a count"):
+        cli.main(["run", "--backend", "tcp", "--rounds", "0", *TOY])
+
+
+@pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
+def test_rounds_alternate_the_order_and_ratio_each_row_to_the_peer_of_its_round(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "rows.jsonl"
+    argv = [
+        "run",
+        "--backend",
+        "tcp,nixl-raw",
+        "--nixl-variants",
+        "read",
+        "--sizes",
+        "256KiB",
+        "--rounds",
+        "2",
+    ]
+    assert cli.main([*argv, *TOY, "--json", str(out), "--agent-log", str(tmp_path / "a.log")]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["round"], r["backend"]) for r in rows] == [
+        (0, "tcp"),
+        (0, "nixl-raw"),
+        (1, "nixl-raw"),
+        (1, "tcp"),
+    ]
+    peer = {r["round"]: r["gbps"] for r in rows if r["backend"] == "nixl-raw"}
+    ours = [r for r in rows if r["backend"] == "tcp"]
+    assert all(r["verified"] for r in rows) and "peer_ratio" not in rows[1]
+    assert [r["peer_ratio"] for r in ours] == [pytest.approx(r["gbps"] / peer[r["round"]]) for r in ours]
+    printed = capsys.readouterr().out
+    summary = printed[printed.index("vs peer (nixl-raw) round by round") :].splitlines()
+    (line,) = [s for s in summary if s.split()[1:3] == ["tcp", "256KiB"]]
+    expected = sorted(r["peer_ratio"] for r in ours)
+    assert line.split()[3:] == [f"{ours[0]['peer_ratio']:.2f}", f"{ours[1]['peer_ratio']:.2f}",
+                                f"{sum(expected) / 2:.2f}", f"{expected[0]:.2f}"]  # fmt: skip
