@@ -16,11 +16,15 @@ from collections.abc import Callable
 ROLES = ("coordinator", "prefill", "decode", "colocated")
 
 
-def _cpu_set(text: str) -> tuple[int, ...]:
+def parse_cpu_set(text: str) -> tuple[int, ...]:
+    """`0`, `0+2` or `0-3` -> the CPUs, sorted; ValueError says what to fix."""
     cpus: set[int] = set()
     for part in text.split("+"):
         lo, _, hi = part.partition("-")
-        first, last = int(lo), int(hi or lo)
+        try:
+            first, last = int(lo), int(hi or lo)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a CPU or a CPU range (0, 0+2 or 0-3)") from None
         if first < 0 or last < first:
             raise ValueError(f"bad CPU range {part!r}")
         cpus.update(range(first, last + 1))
@@ -40,7 +44,7 @@ def _role_map(text: str, what: str) -> dict[str, str]:
 def parse_pins(text: str) -> dict[str, tuple[int, ...]]:
     """`prefill=0,decode=1+2` -> {"prefill": (0,), "decode": (1, 2)}; ValueError says what to fix."""
     try:
-        return {role: _cpu_set(v) for role, v in _role_map(text, "--pin").items()}
+        return {role: parse_cpu_set(v) for role, v in _role_map(text, "--pin").items()}
     except ValueError as exc:
         raise ValueError(f"--pin {text!r}: {exc} (CPU sets look like 0, 0+2 or 0-3)") from None
 

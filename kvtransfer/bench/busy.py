@@ -1,14 +1,17 @@
-"""`kvbench run --busy N`: N busy-loop processes beside the agents, as a serving host's CPU is busy.
+"""`kvbench run --busy N` (and `splitserve bench --busy N`): N busy-loop processes beside the
+benchmark, as a serving host's CPU is busy.
 
 `BusyLoops` owns its processes: it starts them on enter and kills and reaps every one on exit, on
-every path (an exception, Ctrl-C); each also gets SIGKILL if kvbench itself dies (PR_SET_PDEATHSIG),
-so none outlives the run.
+every path (an exception, Ctrl-C); each also gets SIGKILL if the benchmark itself dies
+(PR_SET_PDEATHSIG), so none outlives the run. `cpus`, when given, pins every loop to that CPU set.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+from collections.abc import Collection
 from types import TracebackType
 
 import structlog
@@ -21,12 +24,14 @@ BUSY_CODE = "while True: pass"
 
 
 class BusyLoops:
-    """A context manager running `count` processes of `python -c 'while True: pass'`."""
+    """A context manager running `count` processes of `python -c 'while True: pass'` (on `cpus`, if
+    given; else wherever the OS schedules them)."""
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, cpus: Collection[int] | None = None) -> None:
         if count < 0:
             raise ValueError(f"--busy must be >= 0, got {count}")
         self.count = count
+        self.cpus = set(cpus) if cpus else None
         self.processes: list[subprocess.Popen[bytes]] = []
 
     @property
@@ -37,14 +42,19 @@ class BusyLoops:
         try:
             for _ in range(self.count):
                 self.processes.append(
-                    subprocess.Popen([sys.executable, "-c", BUSY_CODE], preexec_fn=die_with_parent)
+                    subprocess.Popen([sys.executable, "-c", BUSY_CODE], preexec_fn=self._in_child)
                 )
         except BaseException:
             self.stop()
             raise
         if self.processes:
-            log.info("busy loops started", pids=self.pids)
+            log.info("busy loops started", pids=self.pids, cpus=sorted(self.cpus) if self.cpus else "any")
         return self
+
+    def _in_child(self) -> None:
+        die_with_parent()
+        if self.cpus:
+            os.sched_setaffinity(0, self.cpus)
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None

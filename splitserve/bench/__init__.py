@@ -13,7 +13,10 @@ Timings; per (variant, rate) row:
   same at every `--slo-scales` entry;
 - per variant, goodput: the highest swept rate with >= 90% attainment (all lower rates too).
 
-`--json` writes the whole study, `--plots DIR` attainment vs rate and vs SLO scale (PNG).
+`--json` writes the whole study, `--plots DIR` attainment vs rate and vs SLO scale (PNG). `--busy N`
+runs N busy loops beside the whole study (probes included; on the `--busy-pin` CPUs, else on the
+bench's own), as a serving host runs other work; the JSON records both (`workload.busy`,
+`workload.busy_pin`).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ import sys
 from pathlib import Path
 
 from coordinator.routing_policy import FIRST_TOKEN_FROM, TPOT_GUARDS
+from kvtransfer.bench.busy import BusyLoops
 from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
 from splitserve.bench.host import host_info
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
 from splitserve.bench.study import CONTROL_PLANES, StudyPlan, decode_caps, run_study, variants
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
 from splitserve.cluster import MODES
+from splitserve.placement import parse_cpu_set
 from splitserve.serve import add_cluster_arguments, cluster_spec
 
 
@@ -150,6 +155,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "measured cost of a prompt token beside decodes (0: none; with both, the lower cap)",
     )
     a("--unloaded-probes", type=positive, default=2, help="unloaded requests per kind before each sweep")
+    a(
+        "--busy",
+        type=non_negative,
+        default=0,
+        help="busy-loop processes running beside the whole study, probes included (0: none)",
+    )
+    a(
+        "--busy-pin",
+        type=checked(parse_cpu_set),
+        default=None,
+        help="the CPU set the busy loops run on (default: the CPUs the bench itself may use)",
+    )
     a("--request-timeout", type=float, default=300.0)
     a("--json", type=Path, default=None, help="write the whole study (JSON) here")
     a(
@@ -232,7 +249,11 @@ def run(args: argparse.Namespace) -> int:
             spec.coordinator_args += ["--local-first-ttft-ms", f"{args.router_local_first_ttft_ms:g}"]
         if args.first_token_from:
             spec.coordinator_args += ["--first-token-from", args.first_token_from]
-    study = run_study(plan, vs, spec, args.target, say=say)
+    with BusyLoops(args.busy, args.busy_pin) as busy:
+        if busy.pids:
+            where = "on the bench's CPUs" if args.busy_pin is None else f"on CPUs {list(args.busy_pin)}"
+            say(f"{args.busy} busy loop(s) beside the study, {where}: pids {busy.pids}")
+        study = run_study(plan, vs, spec, args.target, say=say)
     study["workload"] = {
         "num_requests": len(plan.items),
         "kinds": {
@@ -249,6 +270,8 @@ def run(args: argparse.Namespace) -> int:
         "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "prefill_ms_while_decoding": args.prefill_ms_while_decoding,
+        "busy": args.busy,
+        "busy_pin": None if args.busy_pin is None else list(args.busy_pin),
         "long_prefill_token_threshold": args.long_prefill_token_threshold,
         "dtype": None if args.target else args.dtype,
         "transfer_backend": None if args.target else args.transfer_backend,

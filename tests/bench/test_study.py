@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -20,17 +21,25 @@ TOLERANCE_MS = 5.0  # two clocks read at slightly different points of one reques
 
 
 def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: Path) -> None:
+    cpu = min(os.sched_getaffinity(0))
     argv = [
         *(sys.executable, "-m", "splitserve.cli", "bench", "--model", str(tiny_model_dir("llama-2l"))),
         *("--modes", "colocated,disaggregated", "--mix", "0.25:96x4,0.75:16x8", "--num-requests", "4"),
         *("--rates", "4", "--slo-scale", "3", "--slo-scales", "1,4", "--unloaded-probes", "1"),
         *("--insecure-control-plane", "--log-dir", str(tmp_path / "logs")),
         *("--json", str(tmp_path / "study.json"), "--plots", str(tmp_path / "plots")),
+        *("--busy", "1", "--busy-pin", str(cpu)),  # a busy loop beside the whole study, on one CPU
     ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=280, check=False)
     assert done.returncode == 0, done.stderr
+    busy = re.search(
+        rf"1 busy loop\(s\) beside the study, on CPUs \[{cpu}\]: pids \[(\d+)\]", done.stdout + done.stderr
+    )
+    assert busy, done.stdout
+    assert not Path(f"/proc/{busy.group(1)}").exists()  # killed and reaped when the study ended
     assert "goodput colocated:" in done.stdout and "goodput disaggregated:" in done.stdout
     study = json.loads((tmp_path / "study.json").read_text())
+    assert (study["workload"]["busy"], study["workload"]["busy_pin"]) == (1, [cpu])
     host = study["workload"]["host"]  # what the numbers were measured on
     assert host["cpus"] == os.cpu_count() and isinstance(host["isa"], list) and "host: " in done.stdout
 

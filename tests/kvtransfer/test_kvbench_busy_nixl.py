@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -56,6 +57,14 @@ def test_busy_loops_are_reaped_on_ctrl_c() -> None:
         assert all(Path(f"/proc/{p}").exists() for p in pids)
         raise KeyboardInterrupt
     assert all(_gone(p) for p in pids)
+
+
+def test_busy_loops_run_on_the_cpus_they_were_given() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    with BusyLoops(1, [cpu]) as busy:
+        (pid,) = busy.pids
+        assert os.sched_getaffinity(pid) == {cpu}
+    assert _gone(pid)
 
 
 def test_a_negative_busy_count_is_refused() -> None:
