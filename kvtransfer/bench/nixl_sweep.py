@@ -11,6 +11,9 @@ Its `--model-shape` rows move a prompt's KV as `model_sweep` moves ours: both ag
 block-major cache of the shape with a churned pool (`nixl_agent.op_pool`), the sender fills the
 prompt's blocks, and the receiver READs them all in one NIXL request (one descriptor per run of ids
 consecutive on both sides), the progress thread off; the last repeat is verified block by block.
+Clocked as ours are, in the driver: from asking the receiver for the READ to its reply after the
+completion (one control round trip, where our pull has three: the pull, KVDone, the receiver's end);
+`in_agent_ms` keeps the READ alone, timed inside the receiver agent (build to completion).
 One request for the whole prompt is NIXL's best case: our `ucx-get` row pulls chunk by chunk
 (`--chunk-tokens`), as the decode worker does while the prompt is prefilled.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import statistics
 import time
 import uuid
 from collections import defaultdict
@@ -165,12 +169,13 @@ async def nixl_model_sweep(
         await agents.recv.call("peer_pool", metadata=source["metadata"])
         for tokens in cfg.tokens:
             n = -(-tokens // cfg.block_size)
-            times, verified, gets = [], True, 0
+            times, in_agent, verified, gets = [], [], True, 0
             for i in range(cfg.repeats + 1):  # the first is the warm-up
                 src = (await agents.send.call("take", n=n, seed=i))["ids"]
                 dst = (await agents.recv.call("take", n=n, seed=None))["ids"]
                 tag = uuid.uuid4().hex
                 read: dict[str, Any]
+                t0 = time.perf_counter()
                 read, _ = await asyncio.gather(
                     agents.recv.call(
                         "read_blocks",
@@ -182,17 +187,20 @@ async def nixl_model_sweep(
                     ),
                     agents.send.call("progress", tag=tag, timeout=600),
                 )
+                seconds = time.perf_counter() - t0
                 if i == cfg.repeats:
                     verified = bool((await agents.recv.call("match", ids=dst, seed=i))["match"])
                 await agents.recv.call("give", ids=dst)
                 await agents.send.call("give", ids=src)
                 gets = read["gets"]
                 if i:
-                    times.append(read["seconds"])
+                    times.append(seconds)
+                    in_agent.append(read["seconds"])
             row = model_sweep.model_row(
                 cfg, "nixl-raw", agents, tokens, n, source["block_bytes"], gets, times, verified, memcpy_for
             )
             row["transport"] = "nixl:UCX READ thread off"
+            row["in_agent_ms"] = statistics.median(in_agent) * 1e3
             rows.append(row)
             progress.step(f"nixl-raw {cfg.model_shape} {tokens} tokens")
     finally:

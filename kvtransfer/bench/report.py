@@ -58,6 +58,7 @@ MODEL_COLUMNS = [
     ("messages", "msgs/gets", "{}"),
     ("size", "bytes", "{}"),
     ("transfer_ms", "transfer ms", "{:.2f}"),
+    ("in_agent_ms", "in agent ms", "{:.2f}"),
     ("gbps", "GB/s", "{:.2f}"),
     ("memcpy_gbps", "memcpy", "{:.2f}"),
     ("ratio", "ratio", "{:.2f}"),
