@@ -54,21 +54,26 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def ring_buffers(size: int, count: int, device: str = "cpu") -> list[torch.Tensor]:
+    """`count` zeroed `size`-byte buffers, consecutive rows of one `host_memory.zeros` slab: on host
+    memory they lie on huge pages even when one buffer is smaller than a huge page, as the blocks of
+    a KV pool do (a 1 MiB buffer allocated alone gets 4 KiB pages, and a copy between processes then
+    looks up 256 pages a message; docs/kvtransfer.md, "Ring buffers on huge pages")."""
+    return list(host_memory.zeros((count, size), torch.uint8, device).unbind())
+
+
 def new_ring(
     size: int, seed: int | None, device: str = "cpu", ring_bytes: int | None = None
 ) -> list[torch.Tensor]:
-    """A ring of `size`-byte buffers, zeroed, or filled from `seed`; host buffers are allocated as KV
-    caches are (`host_memory.zeros`). Seeded buffers are windows of one random stream shifted by one
+    """A ring of `size`-byte buffers (`ring_buffers`), zeroed, or filled from `seed`. Seeded buffers are windows of one random stream shifted by one
     byte each, so every buffer differs (a misplaced message fails the checksums) and filling a ring
     of many GiB costs a copy, not a random draw per byte."""
     count = ring_count(size, ring_bytes)
     stream = None if seed is None else np.random.default_rng(seed).integers(0, 256, size + count, np.uint8)
-    ring = []
-    for j in range(count):
-        buf = host_memory.zeros((size,), torch.uint8, device)
-        if stream is not None:
+    ring = ring_buffers(size, count, device)
+    if stream is not None:
+        for j, buf in enumerate(ring):
             buf.copy_(torch.from_numpy(stream[j : j + size]))
-        ring.append(buf)
     if torch.device(device).type == "cuda":  # UCX's copies run on streams of their own
         torch.cuda.synchronize(device)
     return ring
@@ -92,8 +97,8 @@ def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None, dev
     as the transfers' rings are; on a CUDA `device`, a device-to-device `copy_` between two rings."""
     if torch.device(device).type == "cuda":
         return _d2d_gbps(size, duration_s, ring_bytes, device)
-    src = [host_memory.zeros((size,), torch.uint8).numpy() for _ in range(ring_count(size, ring_bytes))]
-    dst = [host_memory.zeros((size,), torch.uint8).numpy() for _ in src]
+    count = ring_count(size, ring_bytes)
+    src, dst = ([buf.numpy() for buf in ring_buffers(size, count)] for _ in range(2))
     for j, s in enumerate(src):
         s.fill(j % 256)
     for s, d in zip(src, dst, strict=True):  # first touch outside the timed loop

@@ -140,6 +140,19 @@ def test_a_seeded_ring_holds_what_it_is_asked_for_and_every_buffer_differs() -> 
     assert all(int(buf.sum()) == 0 for buf in new_ring(64 << 10, seed=None, ring_bytes=1 << 20))
 
 
+def test_ring_buffers_smaller_than_a_huge_page_are_rows_of_one_huge_page_slab() -> None:
+    """A KV pool's blocks lie on huge pages; a ring of 1 MiB buffers must too (one slab), or a copy
+    between processes looks up 4 KiB pages and the bench measures the page walk."""
+    from kernels.host_memory import HUGE_PAGE_BYTES
+    from kvtransfer.bench.bench_loops import new_ring
+
+    ring = new_ring(1 << 20, seed=3, ring_bytes=8 << 20)
+    base = ring[0].data_ptr()
+    assert base % HUGE_PAGE_BYTES == 0
+    assert [buf.data_ptr() - base for buf in ring] == [j << 20 for j in range(8)]
+    assert all(buf.is_contiguous() and buf.nbytes == 1 << 20 for buf in ring)
+
+
 async def test_an_agent_drops_malformed_control_frames_and_keeps_serving(tmp_path: Path) -> None:
     """Raw bytes, a non-object, a missing id/op, an extra frame: each dropped; a valid request sent
     after them on the same connection (so handled after them) is answered."""
