@@ -15,7 +15,9 @@ reserved before the clock starts.
   chunk by chunk (`--chunk-tokens`, a prefill step's tokens), each chunk's gets all posted at once by
   `PullRecvSession.pull` (`plan.coalesce_runs`), as the decode worker does on each KVChunkReady;
   here every chunk is final at once, so chunks follow each other without waiting. `messages` is the
-  number of gets per prompt.
+  number of gets per prompt. The clock runs in the driver over one request to the receiver
+  (`pull_whole`: the chunks' reads, KVDone, the session's end), as nixl-raw's READ is clocked; push
+  rows take three (the send, KVDone, the receiver's end).
 """
 
 from __future__ import annotations
@@ -73,9 +75,12 @@ async def _pull_once(
     )
     t0 = time.perf_counter()
     pulled = await agents.recv.call(
-        "pull_prompt", rid=rid, gen=0, src_ids=source["src_ids"], chunk_blocks=chunk_blocks
-    )
-    return await _finish(agents, rid, t0, source["checksums"], pulled["gets"])
+        "pull_whole", rid=rid, gen=0, src_ids=source["src_ids"], chunk_blocks=chunk_blocks,
+        checksums=source["checksums"],
+    )  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    await agents.send.call("ack", rid=rid, gen=0)
+    return {"seconds": elapsed, "done": bool(pulled["done"]), "messages": pulled["gets"]}
 
 
 async def model_sweep(

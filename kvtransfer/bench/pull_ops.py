@@ -2,13 +2,14 @@
 
 A sender agent exposes its pool once (`pull_expose`) and opens a `PullSendSession` over filled
 source blocks (`pull_source`); a receiver agent reserves blocks into a `PullRecvSession`
-(`pull_reserve`) and reads chunks of them (`pull`). `mark_done`, `wait_recv`, `ack`, `wait_send` and
+(`pull_reserve`) and reads chunks of them (`pull`), or a whole prompt and its end in one request
+(`pull_whole`, what kvbench's model rows clock). `mark_done`, `wait_recv`, `ack`, `wait_send` and
 `abort` are the agent's session ops, shared with the push sessions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ class PullOps:
     recv_sessions: dict[SessionKey, RecvSession | PullRecvSession]
     send_sessions: dict[SessionKey, SendSession | PullSendSession]
     _peer: Callable[[str], Any]
+    op_mark_done: Callable[..., Awaitable[dict[str, Any]]]
+    op_wait_recv: Callable[..., Awaitable[dict[str, Any]]]
     _pool_map: MappedPool | None = None
     # every pull session this agent received in, ended ones included (a test pulls on an ended one)
     pull_recv: dict[SessionKey, PullRecvSession]
@@ -97,3 +100,14 @@ class PullOps:
         session = self.pull_recv[SessionKey(rid, gen)]
         step = max(1, chunk_blocks)
         return {"gets": sum(session.pull(s, src_ids[s : s + step]) for s in range(0, len(src_ids), step))}
+
+    async def op_pull_whole(
+        self, rid: str, gen: int, src_ids: list[int], chunk_blocks: int, checksums: list[int] | None = None
+    ) -> dict[str, Any]:
+        """A prompt's whole pull in one control round trip, as nixl-raw's `read_blocks` is one: every
+        chunk's reads (`pull_prompt`), the sender's KVDone (`mark_done`, with its `checksums` if
+        any), then the session's end (`wait_recv`, which frees the blocks). The gets posted, `done`."""
+        gets = (await self.op_pull_prompt(rid, gen, src_ids, chunk_blocks))["gets"]
+        await self.op_mark_done(rid, gen, first_token=1, checksums=checksums)
+        ended = await self.op_wait_recv(rid, gen)
+        return {"gets": gets, "done": ended["done"]}
