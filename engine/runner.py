@@ -51,6 +51,8 @@ class ModelRunner:
             model.embed.dtype,
             device,
         )
+        # share of the cache on huge pages (None: a device cache, or no /proc); logged, and a metric
+        self.kv_cache_huge_page_share = host_memory.report_backing(self.kv_cache, "kv cache")
         # build or load the C++ CPU kernels now (a first build takes ~25 s), not in the first step
         kernels.dispatch.cpu_kernels(self.kv_cache)
 

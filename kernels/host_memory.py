@@ -10,17 +10,27 @@ Ownership: the returned tensor owns its anonymous mapping (through `torch.frombu
 is unmapped when the last tensor viewing it is freed. Every page is faulted in at allocation (as
 `torch.zeros` does), so a cache that does not fit fails at start rather than mid-serving, and no
 step pays for first touches. Where the kernel's THP mode is `never` the buffer simply gets
-ordinary pages.
+ordinary pages; `report_backing` says so (the workers call it for their KV cache at start).
 """
 
 from __future__ import annotations
 
 import math
 import mmap
+import re
+from pathlib import Path
 
+import structlog
 import torch
 
+log = structlog.get_logger(__name__)
+
 HUGE_PAGE_BYTES = 2 << 20
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+_SMAPS = Path("/proc/self/smaps")
+_SPAN = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) ")
+# below this share of huge pages a long-lived buffer is reported with what to fix
+HUGE_PAGE_WARN_SHARE = 0.5
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
@@ -35,3 +45,50 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device
     raw = torch.frombuffer(mapping, dtype=torch.uint8)  # holds a reference to the mapping
     offset = -raw.data_ptr() % HUGE_PAGE_BYTES
     return raw[offset : offset + nbytes].zero_().view(dtype).view(shape)  # zero_(): fault in now
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page mode (`always`, `madvise`, `never`); None where unknown."""
+    try:
+        chosen = re.search(r"\[(\w+)\]", THP_ENABLED.read_text())
+    except OSError:
+        return None
+    return chosen.group(1) if chosen else None
+
+
+def huge_page_share(tensor: torch.Tensor) -> float | None:
+    """How much of a host tensor's bytes its mapping has on huge pages (AnonHugePages in
+    /proc/self/smaps over the tensor's size, at most 1); None for device tensors or without smaps."""
+    if tensor.device.type != "cpu":
+        return None
+    address, inside = tensor.data_ptr(), False
+    try:
+        lines = _SMAPS.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        if span := _SPAN.match(line):
+            inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return min(1.0, int(line.split()[1]) * 1024 / max(1, tensor.nbytes))
+    return None
+
+
+def report_backing(tensor: torch.Tensor, what: str) -> float | None:
+    """Log how much of `what` (a long-lived host buffer: the KV cache) is on huge pages, and warn
+    with the fix when it is under HUGE_PAGE_WARN_SHARE: on 4 KiB pages a copy between processes
+    walks 512 times as many pages (kvbench measured half the bandwidth at 1 MiB messages) and
+    every block gather misses the TLB more. Returns the share (None where unknown)."""
+    share, mode = huge_page_share(tensor), thp_mode()
+    if share is None:
+        return None
+    if share < HUGE_PAGE_WARN_SHARE and tensor.nbytes >= HUGE_PAGE_BYTES:
+        log.warning(
+            "host buffer is mostly on 4 KiB pages",
+            buffer=what, bytes=tensor.nbytes, huge_page_share=round(share, 3), thp_mode=mode,
+            fix="set /sys/kernel/mm/transparent_hugepage/enabled to madvise or always on this node "
+            "(and defrag to madvise so faults compact); docs/kvtransfer.md, 'Ring buffers on huge pages'",
+        )  # fmt: skip
+    else:
+        log.info("host buffer backing", buffer=what, bytes=tensor.nbytes, huge_page_share=round(share, 3))
+    return share

@@ -91,6 +91,11 @@ class WorkerMetrics:
             ["socket", "reason"],
             registry=r,
         )
+        self.kv_cache_huge_page_share = Gauge(
+            "splitserve_worker_kv_cache_huge_page_share",
+            "Share of the host KV cache on huge pages (kernels.host_memory; under 0.5 the start-up log says what to fix)",
+            registry=r,
+        )
         self.info = Gauge("splitserve_worker_info", "Constant 1, labelled", ["role", "worker_id"], registry=r)
         self.info.labels(role, worker_id).set(1)
 

@@ -53,6 +53,8 @@ class Worker:
         self.role_class = role_class
         self.engine = LLMEngine(loaded, role_class.engine_config(settings.engine))
         self.metrics = WorkerMetrics(settings.role, settings.worker_id)
+        if (share := self.engine.runner.kv_cache_huge_page_share) is not None:
+            self.metrics.kv_cache_huge_page_share.set(share)
         self.stepper = StepLoop(self.engine, self.metrics)
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None

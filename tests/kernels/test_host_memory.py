@@ -2,27 +2,16 @@
 
 from __future__ import annotations
 
-import re
+import mmap
 from pathlib import Path
 
 import pytest
+import structlog
 import torch
 
 from kernels import host_memory
 
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def anon_huge_kib(address: int) -> int:
-    """AnonHugePages (KiB) of the mapping of this process that holds `address`."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        span = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
-        if span:
-            inside = int(span.group(1), 16) <= address < int(span.group(2), 16)
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def test_small_buffers_are_plain_zeros() -> None:
@@ -42,6 +31,28 @@ def test_large_buffer_is_zeroed_aligned_and_writable() -> None:
 @pytest.mark.skipif(
     not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="transparent huge pages are off"
 )
-def test_large_buffer_gets_huge_pages() -> None:
+def test_large_buffer_gets_huge_pages_and_says_so() -> None:
     t = host_memory.zeros((16 << 20,), torch.uint8)
-    assert anon_huge_kib(t.data_ptr()) >= 8 << 10  # at least half of the 16 MiB, faulted in already
+    with structlog.testing.capture_logs() as lines:
+        share = host_memory.report_backing(t, "kv cache")
+    assert share is not None and share >= 0.5  # at least half of the 16 MiB, faulted in already
+    assert [(e["log_level"], e["buffer"]) for e in lines] == [("info", "kv cache")]
+
+
+def test_a_buffer_on_small_pages_is_reported_with_the_fix() -> None:
+    """What a node with THP off gives a KV cache: the share is 0 and the start-up log says what to set."""
+    mapping = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    t = torch.frombuffer(mapping, dtype=torch.uint8).zero_()
+    assert host_memory.huge_page_share(t) == 0.0
+    with structlog.testing.capture_logs() as lines:
+        assert host_memory.report_backing(t, "kv cache") == 0.0
+    assert [e["log_level"] for e in lines] == ["warning"]
+    assert "transparent_hugepage/enabled" in lines[0]["fix"] and lines[0]["bytes"] == 8 << 20
+    del t
+    mapping.close()
+
+
+def test_device_tensors_have_no_host_backing() -> None:
+    assert host_memory.huge_page_share(torch.empty(4, device="meta")) is None
+    assert host_memory.thp_mode() in {None, "always", "madvise", "never"}

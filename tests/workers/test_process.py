@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import sys
 import urllib.request
@@ -66,6 +67,8 @@ async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_
         assert status == 200
         assert 'splitserve_worker_requests_total{outcome="finished"} 1.0' in text
         assert "splitserve_worker_step_seconds_count" in text
+        share = re.search(r"^splitserve_worker_kv_cache_huge_page_share (\S+)$", text, re.M)
+        assert share is not None and 0.0 <= float(share.group(1)) <= 1.0
 
         proc.send_signal(signal.SIGTERM)
         _, env = await coord.expect("deregister")
