@@ -79,13 +79,13 @@ def report_backing(tensor: torch.Tensor, what: str) -> float | None:
     with the fix when it is under HUGE_PAGE_WARN_SHARE: on 4 KiB pages a copy between processes
     walks 512 times as many pages (kvbench measured half the bandwidth at 1 MiB messages) and
     every block gather misses the TLB more. Returns the share (None where unknown)."""
-    share, mode = huge_page_share(tensor), thp_mode()
+    share = huge_page_share(tensor)
     if share is None:
         return None
     if share < HUGE_PAGE_WARN_SHARE and tensor.nbytes >= HUGE_PAGE_BYTES:
         log.warning(
             "host buffer is mostly on 4 KiB pages",
-            buffer=what, bytes=tensor.nbytes, huge_page_share=round(share, 3), thp_mode=mode,
+            buffer=what, bytes=tensor.nbytes, huge_page_share=round(share, 3), thp_mode=thp_mode(),
             fix="set /sys/kernel/mm/transparent_hugepage/enabled to madvise or always on this node "
             "(and defrag to madvise so faults compact); docs/kvtransfer.md, 'Ring buffers on huge pages'",
         )  # fmt: skip

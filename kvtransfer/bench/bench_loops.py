@@ -65,9 +65,10 @@ def ring_buffers(size: int, count: int, device: str = "cpu") -> list[torch.Tenso
 def new_ring(
     size: int, seed: int | None, device: str = "cpu", ring_bytes: int | None = None
 ) -> list[torch.Tensor]:
-    """A ring of `size`-byte buffers (`ring_buffers`), zeroed, or filled from `seed`. Seeded buffers are windows of one random stream shifted by one
-    byte each, so every buffer differs (a misplaced message fails the checksums) and filling a ring
-    of many GiB costs a copy, not a random draw per byte."""
+    """A ring of `size`-byte buffers (`ring_buffers`), zeroed, or filled from `seed`. Seeded buffers
+    are windows of one random stream shifted by one byte each, so every buffer differs (a misplaced
+    message fails the checksums) and filling a ring of many GiB costs a copy, not a random draw per
+    byte."""
     count = ring_count(size, ring_bytes)
     stream = None if seed is None else np.random.default_rng(seed).integers(0, 256, size + count, np.uint8)
     ring = ring_buffers(size, count, device)

@@ -31,16 +31,21 @@ from kvtransfer.bench import get_loops, runner
 from kvtransfer.bench.report import Progress, Row, format_size
 
 
+async def _acked(agents: runner.Agents, rid: str, t0: float, done: bool, messages: int) -> dict[str, Any]:
+    """Stop the clock (the receiver's end was just answered), then KVAck releases the sender's
+    blocks. `seconds` since `t0`, `done` (landed and verified)."""
+    elapsed = time.perf_counter() - t0
+    await agents.send.call("ack", rid=rid, gen=0)
+    return {"seconds": elapsed, "done": done, "messages": messages}
+
+
 async def _finish(
     agents: runner.Agents, rid: str, t0: float, checksums: list[int] | None, messages: int
 ) -> dict[str, Any]:
-    """KVDone (with the sender's checksums, if any) and the receiver's end: the clock stops there;
-    then KVAck releases the sender's blocks. `seconds` since `t0`, `done` (landed and verified)."""
+    """A push's KVDone (with the sender's checksums, if any) and the receiver's end, then `_acked`."""
     await agents.recv.call("mark_done", rid=rid, gen=0, first_token=1, checksums=checksums)
     result = await agents.recv.call("wait_recv", rid=rid, gen=0)
-    elapsed = time.perf_counter() - t0
-    await agents.send.call("ack", rid=rid, gen=0)
-    return {"seconds": elapsed, "done": bool(result["done"]), "messages": messages}
+    return await _acked(agents, rid, t0, bool(result["done"]), messages)
 
 
 async def _push_once(
@@ -78,9 +83,7 @@ async def _pull_once(
         "pull_whole", rid=rid, gen=0, src_ids=source["src_ids"], chunk_blocks=chunk_blocks,
         checksums=source["checksums"],
     )  # fmt: skip
-    elapsed = time.perf_counter() - t0
-    await agents.send.call("ack", rid=rid, gen=0)
-    return {"seconds": elapsed, "done": bool(pulled["done"]), "messages": pulled["gets"]}
+    return await _acked(agents, rid, t0, bool(pulled["done"]), pulled["gets"])
 
 
 async def model_sweep(

@@ -12,8 +12,8 @@ block-major cache of the shape with a churned pool (`nixl_agent.op_pool`), the s
 prompt's blocks, and the receiver READs them all in one NIXL request (one descriptor per run of ids
 consecutive on both sides), the progress thread off; the last repeat is verified block by block.
 Clocked as ours are, in the driver: from asking the receiver for the READ to its reply after the
-completion (one control round trip, where our pull has three: the pull, KVDone, the receiver's end);
-`in_agent_ms` keeps the READ alone, timed inside the receiver agent (build to completion).
+completion (one control round trip, as our pull's `pull_whole` is); `in_agent_ms` keeps the READ
+alone, timed inside the receiver agent (build to completion).
 One request for the whole prompt is NIXL's best case: our `ucx-get` row pulls chunk by chunk
 (`--chunk-tokens`), as the decode worker does while the prompt is prefilled.
 """

@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import mmap
-from pathlib import Path
 
 import pytest
 import structlog
 import torch
 
 from kernels import host_memory
-
-THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def test_small_buffers_are_plain_zeros() -> None:
@@ -28,9 +25,7 @@ def test_large_buffer_is_zeroed_aligned_and_writable() -> None:
     assert t.sum().item() == 1.5 * (1 << 18)
 
 
-@pytest.mark.skipif(
-    not THP_MODE.exists() or "[never]" in THP_MODE.read_text(), reason="transparent huge pages are off"
-)
+@pytest.mark.skipif(host_memory.thp_mode() in (None, "never"), reason="transparent huge pages are off")
 def test_large_buffer_gets_huge_pages_and_says_so() -> None:
     t = host_memory.zeros((16 << 20,), torch.uint8)
     with structlog.testing.capture_logs() as lines:
