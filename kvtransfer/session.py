@@ -40,6 +40,7 @@ import structlog
 import torch
 
 from kernels import gather_blocks, scatter_blocks
+from kvtransfer import staging
 from kvtransfer.checksum import block_checksums
 from kvtransfer.errors import PeerLost, SessionAborted, TransportError
 from kvtransfer.plan import Message, check_session_secret, consecutive_start, message_tag, plan_messages
@@ -103,12 +104,10 @@ class _Session(ABC):
         self._lease = loop.call_later(config.lease_s, self.abort, "lease expired")
         self._unsubscribe = peer.on_lost(lambda reason: self.abort(f"peer lost: {reason}"))
         self._log = log.bind(rid=key.request_id, gen=key.generation, peer=peer.address)
+        self._staging = staging.pool_for(cache)  # packed messages' buffers, lent per message
 
     def tag(self, message: Message) -> int:
         return message_tag(self._secret, message.index)
-
-    def _staging(self, n: int) -> torch.Tensor:
-        return torch.empty((n, *self.cache.shape[1:]), dtype=self.cache.dtype, device=self.cache.device)
 
     def _ids(self, ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(ids, dtype=torch.long, device=self.cache.device)
@@ -227,29 +226,37 @@ class RecvSession(SinkSession):
         for message in self.messages:
             ids = self.block_ids[message.start : message.stop]
             if message.direct:
-                buf, staging = self.cache[ids[0] : ids[-1] + 1], None
+                buf, packed = self.cache[ids[0] : ids[-1] + 1], None
             else:
-                buf = staging = self._staging(message.num_blocks)
+                buf = packed = self._staging.take(message.num_blocks)
             try:
                 posted = self.peer.post_recv(self.tag(message), buf)
             except PeerLost as e:
+                if packed is not None:
+                    self._staging.give(packed)  # never posted
                 self.abort(f"peer lost: {e}")
                 return
             self._posted.append(posted)
-            landed = asyncio.ensure_future(self._land(posted, ids, staging))
+            landed = asyncio.ensure_future(self._land(posted, ids, packed))
             # checked once the task is done: KVDone may arrive before the last byte lands (TCP's
             # sender finishes when the kernel has the bytes), and a landing task cannot see itself done
             landed.add_done_callback(lambda _: self._maybe_finish())
             self._landed.append(landed)
 
-    async def _land(self, posted: PostedRecv, ids: list[int], staging: torch.Tensor | None) -> bool:
+    async def _land(self, posted: PostedRecv, ids: list[int], packed: torch.Tensor | None) -> bool:
         try:
             landed = await posted.wait()
-        except PeerLost as e:
-            self.abort(f"peer lost: {e}")
-            return False
-        if landed and staging is not None:
-            scatter_blocks(self.cache, self._ids(ids), staging)
+        except BaseException as e:
+            if packed is not None:  # the transport may still write into it: never reused
+                self._staging.drop(packed)
+            if isinstance(e, PeerLost):
+                self.abort(f"peer lost: {e}")
+                return False
+            raise
+        if packed is not None:
+            if landed:
+                scatter_blocks(self.cache, self._ids(ids), packed)
+            self._staging.give(packed)  # landed and scattered, or withdrawn unread
         return landed
 
     @property
@@ -356,17 +363,24 @@ class SendSession(SourceSession):
             raise SessionAborted(self.abort_reason or "aborted")
 
     async def _send_one(self, message: Message) -> None:
+        packed, delivered = None, False
         try:
             ids = self.block_ids[message.start : message.stop]
             first = consecutive_start(ids)
             if first is not None:
                 buf = self.cache[first : first + len(ids)]
             else:
-                buf = gather_blocks(self.cache, self._ids(ids), out=self._staging(len(ids)))
+                packed = self._staging.take(len(ids))
+                buf = gather_blocks(self.cache, self._ids(ids), out=packed)
             await self.peer.send(self.tag(message), buf)
+            delivered = True
         except (PeerLost, TransportError) as e:
             self.abort(f"send failed: {e}")
         finally:
+            if packed is not None and delivered:
+                self._staging.give(packed)  # nothing reads it any more
+            elif packed is not None:
+                self._staging.drop(packed)  # the peer may still be reading it (a cancelled send)
             self._inflight.release()
 
     async def _finish_abort(self) -> None:

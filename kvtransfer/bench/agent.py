@@ -48,6 +48,7 @@ from kvtransfer.bench.pull_ops import PullOps
 from kvtransfer.checksum import block_checksums
 from kvtransfer.pull import PullRecvSession, PullSendSession
 from kvtransfer.session import RecvSession, SendSession
+from kvtransfer.staging import pool_for
 from kvtransfer.transport import Transport
 
 log = structlog.get_logger(__name__)
@@ -102,7 +103,14 @@ class Agent(PullOps, GetLoops):
         except AssertionError:
             intact = False
         total = self.pool.num_blocks - len(self.background)  # what sessions may use
-        return {"free": self.pool.num_free_blocks, "total": total, "intact": intact}
+        staging = pool_for(self.cache)
+        return {
+            "free": self.pool.num_free_blocks,
+            "total": total,
+            "intact": intact,
+            "staging_lent": staging.lent,
+            "staging_allocated": staging.allocated,
+        }
 
     async def op_connect(self, address: str, key: str) -> dict[str, Any]:
         """Connect to the agent at `address` whose transfer key is `key` (hex, from its `info`)."""

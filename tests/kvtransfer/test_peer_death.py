@@ -100,7 +100,7 @@ async def test_sender_killed_mid_message_frees_receiver_pool(backend: str) -> No
         result = await pair.recv.call("wait_recv", rid="k", gen=0, timeout=WAIT_S)
         assert not result["done"] and result["reason"].startswith("peer lost"), result
         pool = await pair.recv.call("pool")
-        assert pool["intact"] and pool["free"] == pool["total"], pool
+        assert pool["intact"] and pool["free"] == pool["total"] and pool["staging_lent"] == 0, pool
         sending.cancel()
         await asyncio.gather(sending, return_exceptions=True)
         pair.recv.close()

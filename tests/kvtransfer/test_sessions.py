@@ -30,6 +30,17 @@ async def test_bit_exact_into_non_contiguous_blocks(pair: Pair, config: Mapping[
     await assert_session_bit_exact(pair, f"r1-{config is None}", config)
 
 
+async def test_packed_messages_reuse_their_staging_buffers(pair: Pair) -> None:
+    # the default config packs the 24 fragmented blocks into one message on both sides (blocks far
+    # below min_direct_bytes): after one session, a second allocates no staging buffer on either
+    await assert_session_bit_exact(pair, "staging-a")
+    before = [await c.call("pool") for c in (pair.recv, pair.send)]
+    await assert_session_bit_exact(pair, "staging-b")
+    after = [await c.call("pool") for c in (pair.recv, pair.send)]
+    assert all(b["staging_allocated"] > 0 for b in before), before
+    assert [a["staging_allocated"] for a in after] == [b["staging_allocated"] for b in before]
+
+
 async def _start_half(pair: Pair, rid: str, config: Mapping[str, float]) -> list[int]:
     """Reserve 24 blocks on the receiver and send the first half of them."""
     reserved = await pair.recv.call(
@@ -66,7 +77,7 @@ async def test_sender_killed_frees_receiver_pool(own_agents: tuple[SpawnedAgent,
     result = await pair.recv.call("wait_recv", rid="r4", gen=0)
     assert not result["done"] and result["reason"].startswith("peer lost"), result
     pool = await pair.recv.call("pool")
-    assert pool["intact"] and pool["free"] == pool["total"], pool
+    assert pool["intact"] and pool["free"] == pool["total"] and pool["staging_lent"] == 0, pool
     pair.recv.close()
     pair.send.close()
 
