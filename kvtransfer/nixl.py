@@ -71,9 +71,13 @@ REGISTER_MODES = ("storage", "tensor")
 @dataclass(frozen=True)
 class NixlSettings:
     """How the NIXL agent runs. progress_thread: NIXL's own progress thread (the sender's side of a
-    READ progresses without its event loop); register: see the module docstring."""
+    READ progresses without its event loop). Off by default: NIXL's Python API starts it with no
+    delay between progress rounds, so it spins a core for as long as the agent lives, transfers or
+    not (two idle agents: 2 CPU-seconds a second, NIXL 1.5.1); without it our event loop progresses
+    the agent only while a READ or a send of ours is in flight (`nixl_memory.Reads`).
+    register: see the module docstring."""
 
-    progress_thread: bool = True
+    progress_thread: bool = False
     register: str = "storage"
     connect_timeout_s: float = 10.0
 

@@ -48,7 +48,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         type=csv_of(str, "a backend name"),
         default=["ucx", "tcp"],
         help="ucx, ucx-stock (UCXX defaults), ucx-get (one-sided gets, raw mode), tcp, nixl (our NIXL "
-        "backend; nixl-tensor, nixl-nothread: its per-message registration and no-progress-thread "
+        "backend; nixl-tensor, nixl-thread: its per-message registration and NIXL-progress-thread "
         "variants), nixl-raw (NIXL driven as nixlbench does, the peer row); the nixl ones need NIXL",
     )
     run.add_argument("--sizes", type=SIZES, default=SIZES(DEFAULT_SIZES))

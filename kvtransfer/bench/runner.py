@@ -31,7 +31,7 @@ BACKEND_ARGS = {
     "tcp": ["--backend", "tcp"],
     "nixl": ["--backend", "nixl"],
     "nixl-tensor": ["--backend", "nixl", "--nixl-register", "tensor"],
-    "nixl-nothread": ["--backend", "nixl", "--no-nixl-progress-thread"],
+    "nixl-thread": ["--backend", "nixl", "--nixl-progress-thread"],
 }
 # Peers measured beside ours, each by its own agent (`kvtransfer.bench.nixl_agent`), local only:
 # raw NIXL, as nixlbench drives it (our `nixl` backend is a row of ours).
