@@ -372,6 +372,7 @@ class SendSession(SourceSession):
             else:
                 packed = self._staging.take(len(ids))
                 buf = gather_blocks(self.cache, self._ids(ids), out=packed)
+                staging.queued_work_done(packed)
             await self.peer.send(self.tag(message), buf)
             delivered = True
         except (PeerLost, TransportError) as e:

@@ -14,6 +14,11 @@ once nothing touches it any more: a send that returned (delivered), a receive wh
 send the peer may be reading, a receive that failed) is never given back; it is dropped and freed
 once the last reference goes. Idle buffers are kept up to `max_idle_bytes` per pool, oldest freed
 first. One pool per (device, dtype, block shape) per process (`pool_for`); thread-safe.
+
+On a GPU, kernels run in stream order but transports touch device memory outside it: a buffer
+given back records an event on the current stream (a scatter out of it may still be queued), and
+`take` lends it again only once that event completed; `queued_work_done` is what a sender waits
+on between its gather and the send.
 """
 
 from __future__ import annotations
@@ -39,9 +44,9 @@ class StagingPool:
         max_idle_bytes: int = MAX_IDLE_BYTES,
     ) -> None:
         self.block_shape, self.dtype, self.device = block_shape, dtype, device
-        self.block_bytes = torch.Size(block_shape).numel() * dtype.itemsize
         self.max_idle_bytes = max_idle_bytes
-        self._idle: OrderedDict[int, torch.Tensor] = OrderedDict()  # id(buffer) -> buffer, oldest first
+        # id(buffer) -> (buffer, the event after the last device work queued on it), oldest first
+        self._idle: OrderedDict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = OrderedDict()
         self._idle_bytes = 0
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr of a lent view -> its whole buffer
         self._lock = threading.Lock()
@@ -53,11 +58,15 @@ class StagingPool:
             raise ValueError(f"a staging buffer holds at least one block, not {num_blocks}")
         capacity = 1 << (num_blocks - 1).bit_length()
         with self._lock:
-            buffer = self._take_idle(capacity)
-            if buffer is None:
+            idle = self._take_idle(capacity)
+            if idle is None:
                 self.allocated += 1
-        if buffer is None:
+        if idle is None:
             buffer = self._new(capacity)
+        else:
+            buffer, queued = idle
+            if queued is not None:
+                queued.synchronize()  # a scatter out of it, queued before it came back, is done
         view = buffer[:num_blocks]
         with self._lock:
             self._lent[view.data_ptr()] = buffer
@@ -69,12 +78,15 @@ class StagingPool:
             buffer = self._lent.pop(view.data_ptr(), None)
             if buffer is None:
                 raise ValueError("give() of a buffer this pool did not lend (or already given back)")
-            nbytes = buffer.numel() * buffer.element_size()
-            self._idle[id(buffer)] = buffer
-            self._idle_bytes += nbytes
+            queued = None
+            if buffer.is_cuda:
+                queued = torch.cuda.Event()
+                queued.record(torch.cuda.current_stream(buffer.device))
+            self._idle[id(buffer)] = (buffer, queued)
+            self._idle_bytes += _nbytes(buffer)
             while self._idle_bytes > self.max_idle_bytes:
-                _, old = self._idle.popitem(last=False)
-                self._idle_bytes -= old.numel() * old.element_size()
+                _, (old, _) = self._idle.popitem(last=False)
+                self._idle_bytes -= _nbytes(old)
 
     def drop(self, view: torch.Tensor) -> None:
         """Forget a lent view that must not be reused (the transport may still touch it): it is
@@ -91,12 +103,12 @@ class StagingPool:
         """Buffers lent and neither given back nor dropped: 0 at quiescence."""
         return len(self._lent)
 
-    def _take_idle(self, capacity: int) -> torch.Tensor | None:
-        for key, buffer in self._idle.items():
-            if buffer.shape[0] == capacity:
+    def _take_idle(self, capacity: int) -> tuple[torch.Tensor, torch.cuda.Event | None] | None:
+        for key, idle in self._idle.items():
+            if idle[0].shape[0] == capacity:
                 del self._idle[key]
-                self._idle_bytes -= buffer.numel() * buffer.element_size()
-                return buffer
+                self._idle_bytes -= _nbytes(idle[0])
+                return idle
         return None
 
     def _new(self, capacity: int) -> torch.Tensor:
@@ -104,6 +116,17 @@ class StagingPool:
         if self.device.type == "cpu":
             return host_memory.zeros(shape, self.dtype)
         return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+
+def _nbytes(buffer: torch.Tensor) -> int:
+    return buffer.numel() * buffer.element_size()
+
+
+def queued_work_done(buffer: torch.Tensor) -> None:
+    """Wait until the device work queued on `buffer`'s GPU (a gather into it) is done, before a
+    transport reads it outside the stream's order; nothing to wait for on the CPU."""
+    if buffer.is_cuda:
+        torch.cuda.current_stream(buffer.device).synchronize()
 
 
 _pools: dict[tuple[str, torch.dtype, tuple[int, ...]], StagingPool] = {}

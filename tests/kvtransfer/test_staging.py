@@ -10,17 +10,28 @@ from kvtransfer.staging import StagingPool, pool_for
 BLOCK = (2, 4, 8)  # 64 float16 elements: 128 bytes a block
 
 
-def _pool(max_idle_bytes: int = 1 << 20) -> StagingPool:
-    return StagingPool(BLOCK, torch.float16, torch.device("cpu"), max_idle_bytes)
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")),
+]
 
 
-def test_a_buffer_given_back_is_lent_again_for_the_same_size_class() -> None:
-    pool = _pool()
+def _pool(max_idle_bytes: int = 1 << 20, device: str = "cpu") -> StagingPool:
+    return StagingPool(BLOCK, torch.float16, torch.device(device), max_idle_bytes)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_buffer_given_back_is_lent_again_for_the_same_size_class(device: str) -> None:
+    # on a GPU, the work queued on a buffer before it came back is done before it is lent again
+    pool = _pool(device=device)
     first = pool.take(5)
     assert first.shape == (5, *BLOCK) and first.is_contiguous() and pool.lent == 1
+    assert first.device.type == device
+    first.fill_(3.0)  # queued on the stream on a GPU
     pool.give(first)
     again = pool.take(7)  # 5 and 7 blocks share the 8-block class
     assert again.data_ptr() == first.data_ptr() and pool.allocated == 1
+    assert bool((again[:5] == 3.0).all())
     other = pool.take(9)  # the 16-block class: a buffer of its own
     assert other.data_ptr() != again.data_ptr() and pool.allocated == 2 and pool.lent == 2
 
