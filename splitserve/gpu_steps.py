@@ -27,6 +27,8 @@ PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
 # kvbench on CUDA: sizes a KV transfer uses; rings of 256 MiB exceed 4x the H200's 60 MB L2
 KV_SIZES = "1MiB,4MiB,16MiB,64MiB"
 KV_RING = "256MiB"
+# kvbench's model-shaped push (staging buffers on the device), by dry run or not
+KV_PUSH_TOKENS = {False: "1k,4k", True: "64"}
 E2E_TOKENS = 48
 
 
@@ -114,21 +116,32 @@ def _kvbench_rows(ctx: StepContext, name: str, args: list[str]) -> tuple[int, st
 
 def kvbench(ctx: StepContext) -> StepResult:
     """kvbench between two agent processes, buffers on the device, over UCX (cuda_ipc on a GPU),
-    each size's ratio to a device-to-device copy of the same rotation. Should that fail on a GPU,
-    one size again with UCX progressed by the thread that holds the CUDA context (`--progress-mode
-    polling`) says whether UCXX's progress thread, which has none, is the cause."""
+    each size's ratio to a device-to-device copy of the same rotation; then a prompt's KV in the
+    real model's block layout pushed between fragmented pools, so packed messages go through
+    staging buffers (a gather, the transport's read, a scatter: stream order matters) and must land
+    verified. Should the raw rows fail on a GPU, one size again with UCX progressed by the thread
+    that holds the CUDA context (`--progress-mode polling`) says whether UCXX's progress thread,
+    which has none, is the cause."""
     sizes, ring, duration, repeats = (
         ("64KiB", "1MiB", "0.05", "1") if ctx.dry_run else (KV_SIZES, KV_RING, "0.5", "2")
     )
     common = ["--ring-bytes", ring, "--duration", duration, "--repeats", repeats]
     code, tail, rows = _kvbench_rows(ctx, "kvbench", ["--sizes", sizes, *common])
-    ok = code == 0 and bool(rows) and all(r["verified"] for r in rows)
+    shape = ["--model-shape", "smollm2-135m", "--tokens", KV_PUSH_TOKENS[ctx.dry_run], "--repeats", repeats]
+    push_code, push_tail, push_rows = _kvbench_rows(ctx, "kvbench-push", shape)
+    pushed = push_code == 0 and bool(push_rows) and all(r["verified"] for r in push_rows)
+    ok = code == 0 and bool(rows) and all(r["verified"] for r in rows) and pushed
     if rows:
         big = max(rows, key=lambda r: r["size_bytes"])
         baseline = "memcpy" if ctx.device == "cpu" else "d2d"
         key = f"{big['size']}: {big['gbps']:.1f} GB/s = {big['ratio']:.2f}x {baseline}"
         detail = "; ".join(f"{r['size']} {r['gbps']:.1f} GB/s ({r['ratio']:.2f}x)" for r in rows)
-        detail += f"; lanes {big['transport']}"
+        detail += f"; lanes {big['transport']}; pushed model-shaped, staged: "
+        detail += (
+            ", ".join(f"{r['tokens']} tokens {r['gbps']:.1f} GB/s verified" for r in push_rows)
+            if pushed
+            else f"not verified (exit {push_code}: {push_tail})"
+        )
         if ok and not ctx.dry_run and "cuda_ipc" not in big["transport"]:
             return StepResult(FAIL, key, "no cuda_ipc lane: UCX fell back; " + detail)
     else:

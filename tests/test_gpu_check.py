@@ -43,6 +43,7 @@ def test_the_cpu_dry_run_runs_every_step_and_ends_in_one_table(tmp_path: Path) -
     assert by_name["kernels"]["key"].startswith("2 passed, 0 failed")
     assert by_name["bench"]["key"].startswith("5 kernels")
     assert "GB/s" in by_name["kvbench"]["key"] and "ucx:" in by_name["kvbench"]["detail"]
+    assert "staged: 64 tokens" in by_name["kvbench"]["detail"]  # the push through staging buffers
     assert by_name["e2e"]["key"].endswith("tokens = transformers")
     table = done.stdout[done.stdout.index("| step |") :].split("\n\n")[0].splitlines()
     assert len(table) == 2 + len(STEPS) and (tmp_path / "table.md").read_text().count("| PASS |") == 4
