@@ -231,9 +231,11 @@ class RecvSession(SinkSession):
                 buf = packed = self._staging.take(message.num_blocks)
             try:
                 posted = self.peer.post_recv(self.tag(message), buf)
-            except PeerLost as e:
+            except BaseException as e:
                 if packed is not None:
-                    self._staging.give(packed)  # never posted
+                    self._staging.give(packed)  # never posted: nothing touches it
+                if not isinstance(e, PeerLost):
+                    raise
                 self.abort(f"peer lost: {e}")
                 return
             self._posted.append(posted)
