@@ -53,8 +53,10 @@ import torch
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.layout import KVLayout
 from kvtransfer.nixl_memory import Reads, Region, Regions, import_nixl
+from kvtransfer.nixl_rma import NixlRemoteKey, NixlRma, mem_type, unpack_key
 from kvtransfer.tcp import TcpTransport
 from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, as_bytes, shut_down
+from kvtransfer.ucx_rma import RmaError
 
 log = structlog.get_logger(__name__)
 
@@ -233,7 +235,7 @@ class NixlPeer(Peer):
             return
         by_kind: dict[tuple[str, str], dict[int, tuple[int, int, int]]] = {}
         for tag, remote in matched.items():
-            kinds = (_mem_type(self._posted[tag].buf.device.type == "cuda"), _mem_type(remote[2] >= 0))
+            kinds = (mem_type(self._posted[tag].buf.device.type == "cuda"), mem_type(remote[2] >= 0))
             by_kind.setdefault(kinds, {})[tag] = remote
         try:
             for (here, there), group in by_kind.items():
@@ -346,6 +348,23 @@ class NixlPeer(Peer):
         if send is not None:
             self._transport.regions.release(send.region)
 
+    # -- one-sided reads (kvtransfer.pull) ---------------------------------------------------------
+
+    def unpack_rkey(self, packed: bytes) -> NixlRemoteKey:
+        """The peer's pool source (its `NixlRegion.rkey`, from the control plane) loaded into our
+        agent, for `NixlRma.get`; RmaError unless it is a registration of this peer's own agent."""
+        if self.lost:
+            raise PeerLost(self.lost_reason or "peer lost")
+        try:
+            device, metadata = unpack_key(packed)
+            name = self._agent.add_remote_agent(metadata)
+        except Exception as e:  # too short, or NIXL refused the metadata
+            raise RmaError(f"not a NIXL pool key: {e!r}") from e
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        if name != self.remote:
+            raise RmaError(f"the pool key names agent {name!r}, this peer is {self.remote!r}")
+        return NixlRemoteKey(self.remote, device)
+
     # -- loss --------------------------------------------------------------------------------------
 
     def _fail(self, reason: str) -> None:
@@ -387,11 +406,6 @@ class NixlPeer(Peer):
         await asyncio.gather(self._reader, return_exceptions=True)
         if self._closing is not None:
             await self._closing
-
-
-def _mem_type(device: bool) -> str:
-    """NIXL's memory type of a buffer on a GPU (`device`) or in host memory."""
-    return "VRAM" if device else "DRAM"
 
 
 class _Released:
@@ -436,6 +450,7 @@ class NixlTransport(TcpTransport):
         self.name = f"splitserve-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         self.regions: Regions
         self.reads: Reads
+        self.rma: NixlRma  # one-sided reads (kvtransfer.pull)
         self.read_requests = 0  # NIXL READs this process started, and the messages they carried
         self.messages_read = 0
 
@@ -445,6 +460,7 @@ class NixlTransport(TcpTransport):
         self.agent = nixl.nixl_agent(self.name, config)
         self.regions = Regions(self.agent, self.settings.register == "storage")
         self.reads = Reads(self.agent, progress_sends=not self.settings.progress_thread)
+        self.rma = NixlRma(self)
         address = await super().start(host, port)
         log.info("nixl agent ready", name=self.name, settings=self.settings)
         return address
@@ -491,6 +507,10 @@ class NixlTransport(TcpTransport):
         return NixlPeer(address, sock, self, remote)
 
     def forget_remote(self, name: str) -> None:
+        """Disconnect NIXL from a remote agent, once no pull READ of ours from it is in flight."""
+        if self.rma.reading_from(name):
+            self.rma.forget_when_done(name)
+            return
         try:
             self.agent.remove_remote_agent(name)
         except Exception as e:  # already gone
@@ -499,4 +519,5 @@ class NixlTransport(TcpTransport):
     async def close(self) -> None:
         await super().close()
         if self.agent is not None:
+            self.rma.close()
             self.regions.close()

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from kvtransfer.errors import PeerLost, SessionAborted, TransportError
+from kvtransfer.nixl import NixlTransport
+from kvtransfer.nixl_rma import NixlRemoteKey, NixlRma
 from kvtransfer.plan import Message, coalesce_runs
 from kvtransfer.session import Release, SessionConfig, SessionKey, SessionState, SinkSession, SourceSession
 from kvtransfer.transport import Peer, Transport
@@ -55,18 +57,22 @@ def chunk_plan(num_blocks: int) -> list[Message]:
 
 
 class MappedPool:
-    """This process's KV cache mapped for one-sided reads on the transport's UCX worker, once for
-    the worker's life: P's so D can read it, D's so gets land in registered memory. The owner
-    (the worker) closes it at shutdown, before closing the transport."""
+    """This process's KV cache mapped for one-sided reads on the transport (its UCX worker, or its
+    NIXL agent: kvtransfer.nixl_rma), once for the worker's life: P's so D can read it, D's so gets
+    land in registered memory. The owner (the worker) closes it at shutdown, before closing the
+    transport."""
 
     def __init__(self, transport: Transport, cache: torch.Tensor) -> None:
-        if not isinstance(transport, UcxTransport):
-            raise TransportError(f"one-sided pull needs the ucx transfer backend, not {transport.backend}")
-        self.rma: Rma = transport.rma
+        if not isinstance(transport, UcxTransport | NixlTransport):
+            raise TransportError(
+                f"one-sided pull needs the ucx or nixl transfer backend, not {transport.backend}"
+            )
+        self.rma: Rma | NixlRma = transport.rma
         self.region = self.rma.register(cache)
 
     def source(self) -> PoolSource:
-        """What a reader needs, for the control plane."""
+        """What a reader needs, for the control plane (from then on a peer may read the pool)."""
+        self.rma.expose(self.region)  # type: ignore[arg-type]  # the region is of rma's backend
         return PoolSource(self.region.rkey, self.region.address, self.region.length)
 
     def close(self) -> None:
@@ -117,8 +123,8 @@ class PullRecvSession(SinkSession):
         self._pulled = 0
         unpack = getattr(peer, "unpack_rkey", None)
         if unpack is None:
-            raise ValueError(f"peer {peer.address} has no one-sided reads (pull needs the ucx backend)")
-        self._rkey: RemoteKey | None = None
+            raise ValueError(f"peer {peer.address} has no one-sided reads (pull needs ucx or nixl)")
+        self._rkey: RemoteKey | NixlRemoteKey | None = None
         try:
             self._rkey = unpack(source.rkey)
         except (PeerLost, RmaError) as e:
@@ -149,7 +155,8 @@ class PullRecvSession(SinkSession):
             GetRun(dst_base + r.dst * bb, base + r.src * bb, r.n * bb)
             for r in coalesce_runs(src_ids, self.block_ids[start : start + len(src_ids)], start)
         ]
-        future = self._pool.rma.get(self._rkey, runs, self._pool.region)
+        # the key (from this session's peer) and the region are of the same backend as rma
+        future = self._pool.rma.get(self._rkey, runs, self._pool.region)  # type: ignore[arg-type]
         future.add_done_callback(self._landed)
         self._gets.append(future)
         self._pulled += len(src_ids)

@@ -236,6 +236,10 @@ class Rma:
             raise ValueError("an RMA region must be contiguous")
         return MemRegion(self.context, tensor)
 
+    def expose(self, region: MemRegion) -> None:
+        """`region`'s key is about to leave this process. Nothing to do: UCXX's progress thread
+        answers a reader's wire-up (kvtransfer.nixl_rma has to)."""
+
     def _drain(self) -> None:
         """The eventfd's reader: resolve every batch the C callback finished."""
         head = self._native.drain(ctypes.byref(self._wake))

@@ -46,7 +46,9 @@ class WorkerSettings:
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
     ucx_progress_mode: str = "hybrid"  # kvtransfer.ucx.PROGRESS_MODES; docs/kvtransfer.md measures them
-    kv_transfer_mode: str = "auto"  # decode side: P sends (push) or D reads with UCX gets (pull); `pulls`
+    kv_transfer_mode: str = (
+        "auto"  # decode side: P sends (push) or D reads (pull: UCX gets, NIXL READs); `pulls`
+    )
     control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
     coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
@@ -72,8 +74,11 @@ class WorkerSettings:
             raise ValueError(
                 f"--kv-transfer-mode must be one of {KV_TRANSFER_MODES}, got {self.kv_transfer_mode!r}"
             )
-        if self.kv_transfer_mode == "pull" and self.transfer_backend != "ucx":
-            raise ValueError("--kv-transfer-mode pull reads with UCX gets: it needs --transfer-backend ucx")
+        if self.kv_transfer_mode == "pull" and self.transfer_backend not in ("ucx", "nixl"):
+            raise ValueError(
+                "--kv-transfer-mode pull reads with UCX gets or NIXL READs: it needs --transfer-backend "
+                "ucx or nixl"
+            )
         if self.lease_ms < 1 or self.queue_lease_ms < 1:
             raise ValueError(
                 f"--lease-ms and --queue-lease-ms must be positive, got {self.lease_ms}, {self.queue_lease_ms}"
@@ -83,15 +88,16 @@ class WorkerSettings:
 
     @property
     def pulls(self) -> bool:
-        """Whether this decode worker reads the KV itself. `auto` pulls over UCX: pushing keeps D's
-        receives posted (and its event loop polling UCX) through P's whole prefill, which cost D's
-        decode steps 1.6x their time in the serving benchmark (docs/kvtransfer.md, "One-sided pull");
-        TCP and NIXL push with their own protocols. Per peer, `auto` still pushes where UCX's lanes
-        are all TCP (`TransferPlane.pulls_over`)."""
+        """Whether this decode worker reads the KV itself. `auto` pulls over UCX and NIXL: pushing
+        keeps D's receives posted (and its event loop polling UCX) through P's whole prefill, which
+        cost D's decode steps 1.6x their time in the serving benchmark (docs/kvtransfer.md,
+        "One-sided pull"), and over NIXL a push pays an announcement and an answer a message
+        (NIXL's READs of P's blocks: 1.7-2x faster, kvtransfer.nixl_rma); TCP pushes. Per peer,
+        `auto` still pushes where UCX's lanes are all TCP (`TransferPlane.pulls_over`)."""
         if self.role != "decode":
             return False  # a prefill worker follows each Reserved.pull; a colocated one moves no KV
         return self.kv_transfer_mode == "pull" or (
-            self.kv_transfer_mode == "auto" and self.transfer_backend == "ucx"
+            self.kv_transfer_mode == "auto" and self.transfer_backend in ("ucx", "nixl")
         )
 
     @property
@@ -241,8 +247,8 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
             "--kv-transfer-mode",
             choices=KV_TRANSFER_MODES,
             default=w["kv_transfer_mode"],
-            help="push: the prefill worker sends the KV; pull: this worker reads it (UCX gets, ucx backend); "
-            "auto: pull over ucx, else push",
+            help="push: the prefill worker sends the KV; pull: this worker reads it (UCX gets or NIXL "
+            "READs: the ucx or nixl backend); auto: pull over ucx and nixl, push over tcp",
         )
 
 

@@ -49,7 +49,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=["ucx", "tcp"],
         help="ucx, ucx-stock (UCXX defaults), ucx-get (one-sided gets, raw mode), tcp, nixl (our NIXL "
         "backend; nixl-tensor, nixl-thread: its per-message registration and NIXL-progress-thread "
-        "variants), nixl-raw (NIXL driven as nixlbench does, the peer row); the nixl ones need NIXL",
+        "variants; nixl-get: its pull with NIXL READs, model rows only), nixl-raw (NIXL driven as nixlbench does, the peer row); the nixl ones need NIXL",
     )
     run.add_argument("--sizes", type=SIZES, default=SIZES(DEFAULT_SIZES))
     run.add_argument(
@@ -266,6 +266,8 @@ async def _backend_rows(
         rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
     elif cfg.sizes and backend == get_loops.BACKEND:
         rows += await get_loops.get_sweep(cfg, memcpy, progress)
+    elif cfg.sizes and backend == "nixl-get":
+        print("nixl-get: no raw rows (model-shaped pulls only; nixl-raw is NIXL's raw READ)", file=sys.stderr)
     elif cfg.sizes:
         rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
     if shaped and backend == "nixl-raw":

@@ -10,7 +10,8 @@ reserved before the clock starts.
 
 - push backends (`ucx`, `tcp`, `nixl`...): a `RecvSession` posts every message of the plan, the
   sender's `SendSession` sends them all; the row's `messages` is the plan's message count.
-- `ucx-get`: the sender holds its filled blocks in a `PullSendSession` and exposes its pool once
+- `ucx-get`, `nixl-get` (pull over UCX gets, NIXL READs: `PULL_BACKENDS`): the sender holds its
+  filled blocks in a `PullSendSession` and exposes its pool once
   (`MappedPool` / `PoolSource`); the receiver reserves into a `PullRecvSession` and pulls the prompt
   chunk by chunk (`--chunk-tokens`, a prefill step's tokens), each chunk's gets all posted at once by
   `PullRecvSession.pull` (`plan.coalesce_runs`), as the decode worker does on each KVChunkReady;
@@ -29,6 +30,8 @@ from typing import Any
 
 from kvtransfer.bench import get_loops, runner
 from kvtransfer.bench.report import Progress, Row, format_size
+
+PULL_BACKENDS = (get_loops.BACKEND, "nixl-get")  # their model rows pull; the others' push
 
 
 async def _acked(agents: runner.Agents, rid: str, t0: float, done: bool, messages: int) -> dict[str, Any]:
@@ -93,7 +96,7 @@ async def model_sweep(
     assert cfg.model_shape is not None
     layout = runner.model_layout(cfg.model_shape, cfg.block_size)
     max_blocks = max(-(-t // cfg.block_size) for t in cfg.tokens)
-    move = _pull_once if backend == get_loops.BACKEND else _push_once
+    move = _pull_once if backend in PULL_BACKENDS else _push_once
     chunk_blocks = max(1, cfg.chunk_tokens // cfg.block_size)
     agents = await runner.start_agents(cfg, backend, layout, max_blocks)
     rows = []
@@ -141,7 +144,7 @@ def model_row(
         "tokens": tokens,
         "blocks": n,
         "messages": messages,
-        "chunk_tokens": cfg.chunk_tokens if backend == get_loops.BACKEND else None,
+        "chunk_tokens": cfg.chunk_tokens if backend in PULL_BACKENDS else None,
         "size_bytes": size,
         "size": format_size(size),
         "transfer_ms": p50 * 1e3,

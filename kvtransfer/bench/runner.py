@@ -32,6 +32,7 @@ BACKEND_ARGS = {
     "nixl": ["--backend", "nixl"],
     "nixl-tensor": ["--backend", "nixl", "--nixl-register", "tensor"],
     "nixl-thread": ["--backend", "nixl", "--nixl-progress-thread"],
+    "nixl-get": ["--backend", "nixl"],  # --model-shape: pull sessions, D's NIXL READs (nixl_rma)
 }
 # Peers measured beside ours, each by its own agent (`kvtransfer.bench.nixl_agent`), local only:
 # raw NIXL, as nixlbench drives it (our `nixl` backend is a row of ours).

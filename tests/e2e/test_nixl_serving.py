@@ -1,6 +1,7 @@
-"""The disaggregated path with `--transfer-backend nixl`: greedy output equal to the default
-backend's (transformers' greedy, which test_serving holds the default UCX cluster to), every pool
-clean afterwards."""
+"""The disaggregated path with `--transfer-backend nixl`, P pushing (the default) and D pulling
+with NIXL READs (`--kv-transfer-mode pull`): greedy output equal to the default backend's
+(transformers' greedy, which test_serving holds the default UCX cluster to), every pool clean
+afterwards."""
 
 from __future__ import annotations
 
@@ -22,17 +23,20 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def nixl_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+@pytest.fixture(scope="module", params=["push", "pull"])
+def nixl_cluster(
+    model_dir: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[LocalCluster]:
     spec = ClusterSpec(
         model=str(model_dir),
         transfer_backend="nixl",
         env=dict(KEYS_ENV),
-        # small chunks and blocks: a prompt's KV moves as several messages, direct and packed
+        # small chunks and blocks: a prompt's KV moves as several messages (push: direct and
+        # packed) or chunks of reads (pull)
         prefill_args=["--max-num-batched-tokens", "32", "--block-size", "4"],
-        decode_args=["--block-size", "4"],
+        decode_args=["--block-size", "4", "--kv-transfer-mode", request.param],
     )
-    yield from running_cluster(spec, tmp_path_factory.mktemp("nixl"))
+    yield from running_cluster(spec, tmp_path_factory.mktemp(f"nixl-{request.param}"))
 
 
 async def test_nixl_backend_serves_the_default_backends_greedy_output(
@@ -45,5 +49,7 @@ async def test_nixl_backend_serves_the_default_backends_greedy_output(
         for prompt, got in zip(prompts, results, strict=True):
             assert got.token_ids == hf_greedy(prompt, 12)
         assert_pools_clean(await wait_quiescent(client))
-    log = (nixl_cluster.spec.log_dir or Path()).glob("decode*")
-    assert any("nixl: UCX" in p.read_text() for p in log), "the decode worker never paired over NIXL"
+    logs = [p.read_text() for p in (nixl_cluster.spec.log_dir or Path()).glob("decode*")]
+    assert any("nixl: UCX" in text for text in logs), "the decode worker never paired over NIXL"
+    pulled = any("kv pool mapped for one-sided reads" in text for text in logs)
+    assert pulled == ("pull" in nixl_cluster.spec.decode_args), "the decode worker pulled, or did not"

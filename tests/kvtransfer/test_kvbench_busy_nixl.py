@@ -134,6 +134,22 @@ def test_nixl_model_rows_read_a_prompts_scattered_blocks_verified(tmp_path: Path
     assert 1 < rows[1]["messages"] < rows[1]["blocks"]  # fragmented on both sides, runs coalesced
 
 
+@pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
+def test_our_nixl_pull_rows_read_the_prompt_chunk_by_chunk_verified(tmp_path: Path) -> None:
+    """`nixl-get`: our NIXL backend's pull sessions, D reading P's churned pool with NIXL READs,
+    one per chunk (kvtransfer.nixl_rma); model rows only (raw sizes are skipped, saying so)."""
+    out = tmp_path / "rows.jsonl"
+    argv = ["run", "--backend", "nixl-get", "--model-shape", "llama-2l", "--tokens", "1k"]
+    argv += ["--chunk-tokens", "256", "--raw-sizes", "1MiB", "--repeats", "1"]
+    assert cli.main([*argv, "--json", str(out), "--agent-log", str(tmp_path / "a.log")]) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["backend"], r["tokens"], r["chunk_tokens"]) for r in rows] == [
+        ("model", "nixl-get", 1024, 256)
+    ]
+    assert rows[0]["verified"] and rows[0]["transport"] == "nixl: UCX READ (receiver-pulled)"
+    assert 1 < rows[0]["messages"] < rows[0]["blocks"]  # runs coalesced, both pools fragmented
+
+
 def test_a_round_count_below_one_is_refused() -> None:
     with pytest.raises(SystemExit, match="--rounds takes a count"):
         cli.main(["run", "--backend", "tcp", "--rounds", "0", *TOY])
