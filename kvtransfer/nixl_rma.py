@@ -1,8 +1,8 @@
 """One-sided reads on the NIXL backend: what `kvtransfer.pull` asks of a transport, as NIXL READs.
 
 The same three pieces as `ucx_rma` (`register`, a peer's `unpack_rkey`, `get`), so a decode worker
-on `--transfer-backend nixl --kv-transfer-mode pull` reads the prompt's KV straight out of the
-prefill worker's pool into the blocks it reserved, as vLLM's NIXL connector does:
+on `--transfer-backend nixl` (pulling is its `--kv-transfer-mode auto`) reads the prompt's KV
+straight out of the prefill worker's pool into the blocks it reserved, as vLLM's NIXL connector does:
 
 - P registers its whole cache with its agent once (`NixlRma.register`, the worker's `MappedPool`);
   the region's "remote key" is NIXL's partial agent metadata of that registration, which D gets
@@ -63,7 +63,7 @@ class NixlRegion:
             region, self._region = self._region, None
             self._rma.transport.regions.release(region)
             if self.exposed:
-                self._rma.exposed(-1)
+                self._rma.count_exposed(-1)
 
 
 def unpack_key(packed: bytes) -> tuple[int, bytes]:
@@ -114,9 +114,9 @@ class NixlRma:
         READs are progressed by the loop while in flight)."""
         if not region.exposed:
             region.exposed = True
-            self.exposed(+1)
+            self.count_exposed(+1)
 
-    def exposed(self, delta: int) -> None:
+    def count_exposed(self, delta: int) -> None:
         """Count the regions open for remote reads; progress the agent every tick while any is
         (and NIXL's own thread is off): see the module docstring."""
         self._exposed += delta
@@ -139,6 +139,7 @@ class NixlRma:
         agent, future = self.transport.agent, asyncio.get_running_loop().create_future()
         device = getattr(local, "device", -1)
         here, there = mem_type(device >= 0), mem_type(rkey.device >= 0)
+        handle = None
         try:
             handle = agent.initialize_xfer(  # NIXL checks every remote descriptor lies inside a
                 "READ",  # registration the peer's metadata announced, else it raises
@@ -148,6 +149,8 @@ class NixlRma:
             )
             state = agent.transfer(handle)
         except Exception as e:  # a descriptor outside the peer's registration, a refused READ
+            if handle is not None:
+                handle.release()
             raise RmaError(f"NIXL READ not started: {e!r}") from e
         remote = rkey.remote
         self._reading[remote] += 1
@@ -164,8 +167,12 @@ class NixlRma:
                 if remote in self._forget:
                     self._forget.discard(remote)
                     self.transport.forget_remote(remote)
-            if not future.done():
-                future.set_result(None) if error is None else future.set_exception(RmaError(error))
+            if future.done():
+                return
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(RmaError(error))
 
         self.transport.reads.watch(handle, state, ended)
         return future
