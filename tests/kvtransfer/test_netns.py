@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.bench import netns, nixl_sweep, runner
+from kvtransfer.bench import model_sweep, netns, nixl_sweep, runner
 from kvtransfer.bench.control import spawn_agent
 from kvtransfer.bench.report import Progress
 from tests.kvtransfer.conftest import Pair, agent_args, assert_session_bit_exact, connect_pair
@@ -82,6 +82,18 @@ async def test_nixl_row_moves_verified_bytes_across_the_link(link: netns.NetnsPa
     )
     (row,) = await nixl_sweep.nixl_sweep(cfg, {size: 1.0}, Progress(1))
     assert row["verified"] and row["gbps"] > 0 and row["link"] == "veth mtu 1500"
+
+
+@pytest.mark.skipif(nixl_sweep.nixl_missing() is not None, reason="NIXL is not installed")
+async def test_our_nixl_pull_reads_verified_blocks_across_the_link(link: netns.NetnsPair) -> None:
+    """The NIXL backend's pull (its `auto`, across hosts too): D's READs of P's churned pool over
+    UCX's TCP lanes, chunk by chunk, every block verified."""
+    cfg = runner.BenchConfig(
+        backends=["nixl-get"], sizes=[], model_shape="llama-2l", tokens=[256], chunk_tokens=64, repeats=1,
+        netns=link,
+    )  # fmt: skip
+    (row,) = await model_sweep.model_sweep(cfg, "nixl-get", lambda _: 1.0, Progress(1))
+    assert row["verified"] and row["link"] == "veth mtu 1500" and row["messages"] > 1, row
 
 
 def test_a_killed_run_leaves_nothing_the_next_run_does_not_reap(tmp_path: Path) -> None:
