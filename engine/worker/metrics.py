@@ -96,6 +96,11 @@ class WorkerMetrics:
             "Share of the host KV cache on huge pages (kernels.host_memory; under 0.5 the start-up log says what to fix)",
             registry=r,
         )
+        self.kv_staging_idle_bytes = Gauge(
+            "splitserve_worker_kv_staging_idle_bytes",
+            "Staging buffers of packed KV messages kept for reuse (kvtransfer.staging; at most 256 MiB)",
+            registry=r,
+        )
         self.info = Gauge("splitserve_worker_info", "Constant 1, labelled", ["role", "worker_id"], registry=r)
         self.info.labels(role, worker_id).set(1)
 

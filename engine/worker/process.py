@@ -27,6 +27,7 @@ from engine.worker.runtime import RegistrationError, WorkerControl
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
+from kvtransfer import staging
 from splitserve.control_auth import ControlKeyError
 from splitserve.heap import freeze_heap
 from splitserve.v1 import control_pb2, serving_pb2
@@ -55,6 +56,8 @@ class Worker:
         self.metrics = WorkerMetrics(settings.role, settings.worker_id)
         if (share := self.engine.runner.kv_cache_huge_page_share) is not None:
             self.metrics.kv_cache_huge_page_share.set(share)
+        staging_pool = staging.pool_for(self.engine.runner.kv_cache)
+        self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
         self.stepper = StepLoop(self.engine, self.metrics)
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None

@@ -69,6 +69,7 @@ async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_
         assert "splitserve_worker_step_seconds_count" in text
         share = re.search(r"^splitserve_worker_kv_cache_huge_page_share (\S+)$", text, re.M)
         assert share is not None and 0.0 <= float(share.group(1)) <= 1.0
+        assert re.search(r"^splitserve_worker_kv_staging_idle_bytes 0\.0$", text, re.M)  # nothing pushed
 
         proc.send_signal(signal.SIGTERM)
         _, env = await coord.expect("deregister")
