@@ -6,15 +6,16 @@ straight out of the prefill worker's pool into the blocks it reserved, as vLLM's
 
 - P registers its whole cache with its agent once (`NixlRma.register`, the worker's `MappedPool`);
   the region's "remote key" is NIXL's partial agent metadata of that registration, which D gets
-  only over the authenticated control plane (KVChunkReady's pool source; `NixlRma.expose`).
+  only over the authenticated control plane (KVChunkReady's pool source).
 - D loads it into its agent (`NixlPeer.unpack_rkey`: it must name the agent of the peer it came
   over) and reads each chunk's runs with one NIXL READ, one descriptor pair per run
   (`NixlRma.get`), completed by the event loop's READ watcher (`nixl_memory.Reads`).
 
 With NIXL's progress thread off (the default), nothing would progress P's agent while D reads, and
 the first READ's endpoint wire-up needs P's side to answer (as the push's first READ did, session
-20); so once P's pool key left the process its loop progresses the agent every PROGRESS_TICK_S
-(about 1% of a core; D, which only reads, has no tick).
+20); so while P holds a pull session (`MappedPool.hold`: from Reserved to KVAck) its loop
+progresses the agent every PROGRESS_TICK_S, and not otherwise (an idle P that ticked for life used
+4% of a core; D, which only reads, never ticks).
 """
 
 from __future__ import annotations
@@ -51,7 +52,6 @@ class NixlRegion:
 
     def __init__(self, rma: NixlRma, tensor: torch.Tensor) -> None:
         self._rma = rma
-        self.exposed = False  # its key left this process (`NixlRma.expose`)
         self._region: Region | None = rma.transport.regions.acquire(tensor)
         self.device = tensor.get_device()
         self.rkey = _DEVICE.pack(self.device) + self._region.metadata
@@ -62,8 +62,6 @@ class NixlRegion:
         if self._region is not None:
             region, self._region = self._region, None
             self._rma.transport.regions.release(region)
-            if self.exposed:
-                self._rma.count_exposed(-1)
 
 
 def unpack_key(packed: bytes) -> tuple[int, bytes]:
@@ -90,7 +88,7 @@ class NixlRma:
 
     def __init__(self, transport: NixlTransport) -> None:
         self.transport = transport
-        self._exposed = 0
+        self._serving = 0  # pull sessions a peer may be reading in (`serve`)
         self._tick: asyncio.TimerHandle | None = None
         self._reading: Counter[str] = Counter()  # remote agent -> READs of ours in flight from it
         self._forget: set[str] = set()  # remote agents to forget once their READs ended
@@ -108,21 +106,14 @@ class NixlRma:
             raise ValueError("an RMA region must be contiguous")
         return NixlRegion(self, tensor)
 
-    def expose(self, region: NixlRegion) -> None:
-        """`region`'s key is about to leave this process: a peer may read it from now on, so the
-        agent is progressed every tick until it closes (a reader's own region needs no tick: its
-        READs are progressed by the loop while in flight)."""
-        if not region.exposed:
-            region.exposed = True
-            self.count_exposed(+1)
-
-    def count_exposed(self, delta: int) -> None:
-        """Count the regions open for remote reads; progress the agent every tick while any is
-        (and NIXL's own thread is off): see the module docstring."""
-        self._exposed += delta
-        if self._exposed > 0 and self._tick is None and not self.transport.settings.progress_thread:
+    def serve(self, delta: int) -> None:
+        """Count the pull sessions a peer may be reading our memory in (+1 when one starts, -1 when
+        it ends); while any is, and NIXL's own thread is off, the agent is progressed every tick
+        (see the module docstring)."""
+        self._serving += delta
+        if self._serving > 0 and self._tick is None and not self.transport.settings.progress_thread:
             self._tick = asyncio.get_running_loop().call_later(PROGRESS_TICK_S, self._progress)
-        elif self._exposed <= 0 and self._tick is not None:
+        elif self._serving <= 0 and self._tick is not None:
             self._tick.cancel()
             self._tick = None
 

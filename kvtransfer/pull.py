@@ -71,9 +71,12 @@ class MappedPool:
         self.region = self.rma.register(cache)
 
     def source(self) -> PoolSource:
-        """What a reader needs, for the control plane (from then on a peer may read the pool)."""
-        self.rma.expose(self.region)  # type: ignore[arg-type]  # the region is of rma's backend
+        """What a reader needs, for the control plane."""
         return PoolSource(self.region.rkey, self.region.address, self.region.length)
+
+    def hold(self, delta: int) -> None:
+        """A pull session a peer reads this pool in starts (+1) or ends (-1) (`PullSendSession`)."""
+        self.rma.serve(delta)
 
     def close(self) -> None:
         self.region.close()
@@ -81,7 +84,7 @@ class MappedPool:
 
 class PullSendSession(SourceSession):
     """Prefill side: holds `src_block_ids` (and later `extend_sources`) for D's reads until KVAck
-    or abort; sends nothing."""
+    or abort; sends nothing. Holds `pool` (the `MappedPool` D reads) while it lives."""
 
     def __init__(
         self,
@@ -92,9 +95,18 @@ class PullSendSession(SourceSession):
         src_block_ids: Sequence[int],
         num_blocks: int,
         release: Release,
+        pool: MappedPool,
         config: SessionConfig | None = None,
     ) -> None:
         super().__init__(peer, key, secret, cache, src_block_ids, num_blocks, [], release, config)
+        self._pool: MappedPool | None = pool
+        pool.hold(+1)
+
+    def _end(self, state: SessionState, result: int | None = None) -> None:
+        super()._end(state, result)
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            pool.hold(-1)
 
     async def _finish_abort(self) -> None:
         self._release_once()

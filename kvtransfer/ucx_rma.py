@@ -236,9 +236,9 @@ class Rma:
             raise ValueError("an RMA region must be contiguous")
         return MemRegion(self.context, tensor)
 
-    def expose(self, region: MemRegion) -> None:
-        """`region`'s key is about to leave this process. Nothing to do: UCXX's progress thread
-        answers a reader's wire-up (kvtransfer.nixl_rma has to)."""
+    def serve(self, delta: int) -> None:
+        """A pull session a peer may read our memory in starts (+1) or ends (-1). Nothing to do:
+        UCXX's progress thread answers a reader's wire-up (kvtransfer.nixl_rma has to)."""
 
     def _drain(self) -> None:
         """The eventfd's reader: resolve every batch the C callback finished."""

@@ -211,8 +211,9 @@ class PrefillWorker(WorkerRole):
             session: SourceSession
             if job.reserved is not None and job.reserved.pull:  # D reads the blocks itself
                 session = PullSendSession(
-                    peer, key, secret, self.plane.cache, [], len(dst), job.release_holds, self.plane.config
-                )
+                    peer, key, secret, self.plane.cache, [], len(dst), job.release_holds,
+                    self.plane.mapped_pool(), self.plane.config,
+                )  # fmt: skip
                 job.session, job.messages = session, chunk_plan(len(dst))
             else:
                 session = SendSession(

@@ -65,7 +65,7 @@ class PullOps:
         fill_blocks(self.cache, ids, seed)
         session = PullSendSession(
             self._peer(peer), SessionKey(rid, gen), new_session_secret(), self.cache, ids, num_blocks,
-            self.pool.free, SessionConfig(**(config or {})),
+            self.pool.free, self._mapped(), SessionConfig(**(config or {})),
         )  # fmt: skip
         self.send_sessions[session.key] = session
         return {"src_ids": ids, "checksums": session.checksums() if checksums else None}
