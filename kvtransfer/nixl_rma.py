@@ -24,7 +24,7 @@ import asyncio
 import struct
 from collections import Counter
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -47,8 +47,6 @@ class NixlRegion:
     """`tensor`'s storage registered with the agent for remote reads; `rkey` is what a reader
     loads (the device, then NIXL's metadata of the registration). Closed by the owner (the
     worker's `MappedPool`)."""
-
-    memh = None  # ucx_rma's MemRegion field `get` may take; NIXL finds its registrations itself
 
     def __init__(self, rma: NixlRma, tensor: torch.Tensor) -> None:
         self._rma = rma
@@ -121,14 +119,16 @@ class NixlRma:
         self.transport.agent.get_new_notifs()  # progresses the agent's UCX workers
         self._tick = asyncio.get_running_loop().call_later(PROGRESS_TICK_S, self._progress)
 
-    def get(self, rkey: NixlRemoteKey, runs: Sequence[GetRun], local: Any = None) -> asyncio.Future[None]:
+    def get(
+        self, rkey: NixlRemoteKey, runs: Sequence[GetRun], local: NixlRegion | None = None
+    ) -> asyncio.Future[None]:
         """One NIXL READ of every run from `rkey`'s agent into our memory registered with this
         agent (`local`: its region, whose device both sides' pools share); the future completes when
         it finished (RmaError if it failed). Await it before reusing the destinations, even on abort."""
         if rkey.handle is None:
             raise RmaError("get on a destroyed remote key")
         agent, future = self.transport.agent, asyncio.get_running_loop().create_future()
-        device = getattr(local, "device", -1)
+        device = local.device if local is not None else -1
         here, there = mem_type(device >= 0), mem_type(rkey.device >= 0)
         handle = None
         try:

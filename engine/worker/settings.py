@@ -21,6 +21,7 @@ from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arg
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSFER_BACKENDS = ("ucx", "tcp", "nixl")  # nixl: the `nixl` extra
+PULL_BACKENDS = ("ucx", "nixl")  # the backends with one-sided reads (kvtransfer.pull)
 KV_TRANSFER_MODES = ("auto", "push", "pull")
 
 
@@ -46,9 +47,7 @@ class WorkerSettings:
     kv_message_bytes: int = 64 << 20  # kvtransfer's largest message; P and D must agree
     kv_direct_bytes: int = 256 << 10  # shorter runs of blocks are packed (gather/scatter)
     ucx_progress_mode: str = "hybrid"  # kvtransfer.ucx.PROGRESS_MODES; docs/kvtransfer.md measures them
-    kv_transfer_mode: str = (
-        "auto"  # decode side: P sends (push) or D reads (pull: UCX gets, NIXL READs); `pulls`
-    )
+    kv_transfer_mode: str = "auto"  # decode side: P pushes, or D reads (UCX gets, NIXL READs); `pulls`
     control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
     coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
@@ -74,7 +73,7 @@ class WorkerSettings:
             raise ValueError(
                 f"--kv-transfer-mode must be one of {KV_TRANSFER_MODES}, got {self.kv_transfer_mode!r}"
             )
-        if self.kv_transfer_mode == "pull" and self.transfer_backend not in ("ucx", "nixl"):
+        if self.kv_transfer_mode == "pull" and self.transfer_backend not in PULL_BACKENDS:
             raise ValueError(
                 "--kv-transfer-mode pull reads with UCX gets or NIXL READs: it needs --transfer-backend "
                 "ucx or nixl"
@@ -97,7 +96,7 @@ class WorkerSettings:
         if self.role != "decode":
             return False  # a prefill worker follows each Reserved.pull; a colocated one moves no KV
         return self.kv_transfer_mode == "pull" or (
-            self.kv_transfer_mode == "auto" and self.transfer_backend in ("ucx", "nixl")
+            self.kv_transfer_mode == "auto" and self.transfer_backend in PULL_BACKENDS
         )
 
     @property

@@ -49,7 +49,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default=["ucx", "tcp"],
         help="ucx, ucx-stock (UCXX defaults), ucx-get (one-sided gets, raw mode), tcp, nixl (our NIXL "
         "backend; nixl-tensor, nixl-thread: its per-message registration and NIXL-progress-thread "
-        "variants; nixl-get: its pull with NIXL READs, model rows only), nixl-raw (NIXL driven as nixlbench does, the peer row); the nixl ones need NIXL",
+        "variants; nixl-get: its pull with NIXL READs, model rows only), nixl-raw (NIXL driven as "
+        "nixlbench does, the peer row); the nixl ones need NIXL",
     )
     run.add_argument("--sizes", type=SIZES, default=SIZES(DEFAULT_SIZES))
     run.add_argument(

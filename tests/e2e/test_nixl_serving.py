@@ -1,5 +1,5 @@
-"""The disaggregated path with `--transfer-backend nixl`, P pushing (the default) and D pulling
-with NIXL READs (`--kv-transfer-mode pull`): greedy output equal to the default backend's
+"""The disaggregated path with `--transfer-backend nixl`, D pulling with NIXL READs (`pull`, what
+`auto` does on NIXL) and P pushing (`push`): greedy output equal to the default backend's
 (transformers' greedy, which test_serving holds the default UCX cluster to), every pool clean
 afterwards."""
 
