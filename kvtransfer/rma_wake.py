@@ -1,10 +1,12 @@
-"""The native completion path of `kvtransfer.ucx_rma` gets (kvtransfer/csrc/rma_wake.c), via ctypes.
+"""The native posting and completion path of `kvtransfer.ucx_rma` gets (kvtransfer/csrc/rma_wake.c), via ctypes.
 
 UCXX's progress thread completes a get inside `ucp_worker_progress`; a Python callback there must
 take the GIL, and waking the loop with `call_soon_threadsafe` costs a second handoff (together
 ~140 µs per get measured, docs/kvtransfer.md "Completion path"). The C callback instead counts the
 batch down with atomics and, on its last get, queues the batch and writes an eventfd that the asyncio
-loop watches with `add_reader`: the progressing thread never touches Python.
+loop watches with `add_reader`: the progressing thread never touches Python. Posting is one call
+too (`rma_get`: every run's `ucp_get_nbx`, then the poster's own progress of a small batch), so a
+batch costs Python one ctypes call, not several per get (docs/kvtransfer.md, "Posted in C").
 
 The library is a plain shared object (no Python, torch or UCX headers) that setup.py builds next to
 this module (`kvtransfer/_rma_wake<EXT_SUFFIX>`). A checkout that has not run `setup.py build_ext`
@@ -63,19 +65,41 @@ class CBatch(ctypes.Structure):
     ]
 
 
+class CUcp(ctypes.Structure):
+    """`struct rma_ucp`: the libucp functions `rma_get` calls and the worker; one per Rma."""
+
+    _fields_ = [
+        ("get_nbx", ctypes.c_void_p),
+        ("progress", ctypes.c_void_p),
+        ("signal", ctypes.c_void_p),
+        ("worker", ctypes.c_void_p),
+    ]
+
+
+class CRun(ctypes.Structure):
+    """`struct rma_run`: one get, `nbytes` from the peer's `remote` address into our `local` one."""
+
+    _fields_ = [("local", ctypes.c_uint64), ("remote", ctypes.c_uint64), ("nbytes", ctypes.c_uint64)]
+
+
+ABI = b"rma_wake ABI 2"  # `rma_wake_abi` of the rma_wake.c these mirrors match
+PENDING, DONE_AT_POST, DONE_INLINE = 0, 1, 2  # what `rma_get` returns (negative: pending, unsignalled)
+
+
 class NativeWake:
     """The library's functions; `complete` is the address UCP calls back (ucp_send_nbx_callback_t)."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
-        vp = ctypes.c_void_p
+        vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
         self.complete: int = ctypes.cast(lib.rma_wake_complete, vp).value or 0
-        self.release = bind(lib, "rma_batch_release", ctypes.c_int32, vp, ctypes.c_int64, ctypes.c_int32)
+        self.release = bind(lib, "rma_batch_release", i32, vp, i64, i32)
+        self.get = bind(lib, "rma_get", i32, vp, vp, vp, vp, vp, vp, i64, i64, i32)
         self.drain = bind(lib, "rma_wake_drain", vp, vp)
         self.quiesce = bind(lib, "rma_wake_quiesce", None, vp)
 
 
-def build(target: Path = LIBRARY) -> None:
+def build(target: Path) -> None:
     """Compile rma_wake.c into `target` (atomically: concurrent builders each rename a whole file)."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
@@ -91,8 +115,12 @@ def build(target: Path = LIBRARY) -> None:
 
 @functools.cache
 def native() -> NativeWake:
-    """The loaded library (once per process), built first if this checkout lacks it."""
+    """The loaded library (once per process), built first if this checkout lacks it or holds one
+    built from an older rma_wake.c."""
     if not LIBRARY.exists():
-        log.warning("building the RMA completion library", library=str(LIBRARY), hint=BUILD_HINT)
-        build()
+        log.warning("building the RMA library", library=str(LIBRARY), hint=BUILD_HINT)
+        build(LIBRARY)
+    elif ABI not in LIBRARY.read_bytes():  # checked unloaded: a loaded stale build would stay loaded
+        log.warning("rebuilding the RMA library: built from an older rma_wake.c", library=str(LIBRARY))
+        build(LIBRARY)
     return NativeWake(LIBRARY)

@@ -10,16 +10,17 @@ worker (`ucp_context_h` / `ucp_worker_h` handles of `ucxx.core._get_ctx()`) and 
 - `RemoteKey`: a peer's packed key unpacked on one endpoint (`ucp_ep_rkey_unpack`); the reader owns
   it and `close()`s it (`ucp_rkey_destroy`) before that endpoint is closed.
 - `Rma.get(ep, runs)`: posts one `ucp_get_nbx` per run at once and returns a future that completes
-  once every get finished. Completion never spins and takes no GIL off the loop: each pending get
-  carries the C callback of kvtransfer.rma_wake, which UCP calls from whichever thread progresses
-  the worker (UCXX's progress thread, or the event loop in UCXX's polling modes); the batch's last
-  one queues it and writes an eventfd the loop watches. A get that returns a request moves its
-  bytes in a later progress: for a batch of at most `INLINE_PROGRESS_BYTES`, `get` first progresses
-  the worker itself while UCP makes headway (never past a call that found nothing to do, so it does
-  not spin), which over CMA does the copy on the poster; otherwise, or when that did not finish it,
-  `get` signals the worker (`ucp_worker_signal`) to wake UCXX's progress thread out of epoll at
-  once. Gets are posted from the loop thread while the progress thread progresses: that needs a
-  worker in UCS_THREAD_MODE_MULTI, which `Rma` checks at creation.
+  once every get finished. Posting is one call into kvtransfer/csrc/rma_wake.c (`rma_get`), and
+  completion never spins and takes no GIL off the loop: each pending get carries that library's C
+  callback, which UCP calls from whichever thread progresses the worker (UCXX's progress thread,
+  or the event loop in UCXX's polling modes); the batch's last one queues it and writes an eventfd
+  the loop watches. A get that returns a request moves its bytes in a later progress: for a batch
+  of at most `INLINE_PROGRESS_BYTES`, `rma_get` first progresses the worker itself while UCP makes
+  headway (never past a call that found nothing to do, so it does not spin), which over CMA does the
+  copy on the poster, and a batch finished there is resolved at once, never queued; otherwise, or
+  when that did not finish it, `rma_get` signals the worker (`ucp_worker_signal`) to wake UCXX's
+  progress thread out of epoll at once. Gets are posted from the loop thread while the progress
+  thread progresses: that needs a worker in UCS_THREAD_MODE_MULTI, which `Rma` checks at creation.
 
 Cancelling an RMA get is not something UCP offers: a caller that gives up must still await the
 future before the destination memory is reused (kvtransfer.pull does).
@@ -33,24 +34,24 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 
 from kvtransfer.errors import TransportError
-from kvtransfer.rma_wake import CBatch, CWake, bind, native
+from kvtransfer.rma_wake import DONE_INLINE, PENDING, CBatch, CRun, CUcp, CWake, bind, native
 
 log = structlog.get_logger(__name__)
 
-UCP_VERSION = (1, 21)  # the struct layouts below are UCX 1.21's (include/ucp/api/ucp.h)
-_ERR_LAST = -100  # UCS_ERR_LAST: status pointers in (-100, 0) are errors
+UCP_VERSION = (1, 21)  # the struct layouts below and in rma_wake.c are UCX 1.21's (include/ucp/api/ucp.h)
 _THREAD_MODE_MULTI = 2
 _MEM_MAP_FIELDS = 0b1011  # ADDRESS | LENGTH | PROT
 _PROT_LOCAL_RW_REMOTE_READ = (1 << 0) | (1 << 1) | (1 << 8)
-_OP_ATTR_CALLBACK, _OP_ATTR_USER_DATA, _OP_ATTR_MEMH = 1 << 1, 1 << 2, 1 << 8
 # A batch of at most this many bytes is progressed by its poster while UCP makes headway (0: never;
 # SPLITSERVE_RMA_INLINE_BYTES overrides it, for measurements), at most INLINE_PROGRESS_CALLS calls:
-# UCX copies 512 KiB (UCX_CMA_SEG_SIZE) a call over CMA, so 16 MiB takes 32. 16 MiB, not 4: ratio
+# UCX copies UCX_CMA_SEG_SIZE a call over CMA (4 MiB: kvtransfer.ucx), so 16 MiB takes 4 (32 at
+# UCX's default of 512 KiB, where these bounds were chosen). 16 MiB, not 4: ratio
 # to NIXL at 16 MiB 0.975 against 0.90 over 28 rounds each (docs/kvtransfer.md, "Ring buffers on
 # huge pages"); it holds the event loop for the copy, 1.6-3 ms at 16 MiB on this host.
 INLINE_PROGRESS_BYTES = int(os.environ.get("SPLITSERVE_RMA_INLINE_BYTES", str(16 << 20)))
@@ -69,21 +70,6 @@ class _MemMapParams(ctypes.Structure):
     ]
 
 
-class _RequestParam(ctypes.Structure):
-    _fields_ = [
-        ("op_attr_mask", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("request", ctypes.c_void_p),
-        ("cb", ctypes.c_void_p),  # ucp_send_nbx_callback_t: rma_wake_complete
-        ("datatype", ctypes.c_uint64),
-        ("user_data", ctypes.c_void_p),
-        ("reply_buffer", ctypes.c_void_p),
-        ("memory_type", ctypes.c_int),
-        ("recv_info", ctypes.c_void_p),
-        ("memh", ctypes.c_void_p),
-    ]
-
-
 class _WorkerAttr(ctypes.Structure):
     _fields_ = [("field_mask", ctypes.c_uint64), ("thread_mode", ctypes.c_int), ("rest", ctypes.c_byte * 256)]
 
@@ -99,7 +85,7 @@ class _Ucp:
         import libucx
 
         lib = ctypes.CDLL(os.path.join(os.path.dirname(libucx.__file__), "lib", "libucp.so.0"))
-        vp, sz, st = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int
+        vp, st = ctypes.c_void_p, ctypes.c_int
         major, minor, release = ctypes.c_uint(), ctypes.c_uint(), ctypes.c_uint()
         bind(lib, "ucp_get_version", None, vp, vp, vp)(
             ctypes.byref(major), ctypes.byref(minor), ctypes.byref(release)
@@ -114,10 +100,10 @@ class _Ucp:
         self.rkey_buffer_release = bind(lib, "ucp_rkey_buffer_release", None, vp)
         self.ep_rkey_unpack = bind(lib, "ucp_ep_rkey_unpack", st, vp, vp, vp)
         self.rkey_destroy = bind(lib, "ucp_rkey_destroy", None, vp)
-        self.get_nbx = bind(lib, "ucp_get_nbx", vp, vp, vp, sz, ctypes.c_uint64, vp, vp)
+        self.get_nbx = lib.ucp_get_nbx  # called from rma_wake.c only
         self.request_free = bind(lib, "ucp_request_free", None, vp)
-        self.worker_signal = bind(lib, "ucp_worker_signal", st, vp)
-        self.worker_progress = bind(lib, "ucp_worker_progress", ctypes.c_uint, vp)
+        self.worker_signal = lib.ucp_worker_signal  # called from rma_wake.c only
+        self.worker_progress = lib.ucp_worker_progress  # called from rma_wake.c only
 
     def check(self, status: int, what: str) -> None:
         if status != 0:
@@ -127,6 +113,11 @@ class _Ucp:
 @functools.cache
 def _lib() -> _Ucp:
     return _Ucp()
+
+
+def _address(function: Any) -> int:
+    """The address of a ctypes function (what C calls through a function pointer)."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
 class MemRegion:
@@ -220,8 +211,14 @@ class Rma:
         self._efd: int | None = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         request_free = ctypes.cast(ucp.request_free, ctypes.c_void_p).value
         self._wake = CWake(None, request_free, self._efd, 0)
+        self._wake_address = ctypes.addressof(self._wake)
+        self._ucp = CUcp(
+            *(_address(f) for f in (ucp.get_nbx, ucp.worker_progress, ucp.worker_signal)), worker
+        )
+        self._ucp_address = ctypes.addressof(self._ucp)
+        self._runs = (CRun * 16)()  # `get`'s runs for rma_get, grown on demand (loop thread only)
         self._batches: dict[int, _Batch] = {}  # by the address of their C struct
-        self.completed_inline = 0  # batches `_progress_inline` finished (the rest: progress thread)
+        self.completed_inline = 0  # batches their poster's progress finished (the rest: progress thread)
         self._drained = asyncio.Event()
         self._loop.add_reader(self._efd, self._drain)
 
@@ -261,60 +258,32 @@ class Rma:
         (RmaError if any failed). Await it before reusing the destination memory, even on abort
         (cancelling the future does not stop the gets). `local`, when given, is the registered
         region the destinations lie in (saves UCP a lookup)."""
-        ucp = _lib()
         if rkey.handle is None:
             raise RmaError("get on a destroyed remote key")
         if self._efd is None:
             raise RmaError("get on a closed Rma")
-        batch = _Batch(ctypes.addressof(self._wake), len(runs), self._loop.create_future())
+        batch = _Batch(self._wake_address, len(runs), self._loop.create_future())
         address = ctypes.addressof(batch.c)
         self._batches[address] = batch
         self._drained.clear()
-        mask = _OP_ATTR_CALLBACK | _OP_ATTR_USER_DATA
-        if local is not None and local.memh is not None:
-            mask |= _OP_ATTR_MEMH
-        param = _RequestParam(
-            op_attr_mask=mask, cb=self._native.complete, user_data=address, memh=local.memh if local else None
-        )
-        released, error = 1, 0  # the poster's hold, plus gets done or failed inside ucp_get_nbx
-        for run in runs:
-            ptr = ucp.get_nbx(
-                rkey.ep, run.local_addr, run.nbytes, run.remote_addr, rkey.handle, ctypes.byref(param)
-            )
-            status = ctypes.c_int64(ptr or 0).value
-            if status == 0 or _ERR_LAST < status < 0:
-                released, error = released + 1, error or int(status)
-            # else: a request; UCP calls rma_wake_complete for it
-        if self._native.release(ctypes.byref(batch.c), released, error):
+        if len(runs) > len(self._runs):
+            self._runs = (CRun * len(runs))()
+        c_runs = self._runs
+        for i, run in enumerate(runs):
+            c_runs[i] = CRun(run.local_addr, run.remote_addr, run.nbytes)
+        memh = local.memh if local is not None else None
+        done = self._native.get(
+            address, self._ucp_address, rkey.ep, rkey.handle, memh, c_runs, len(runs),
+            INLINE_PROGRESS_BYTES, INLINE_PROGRESS_CALLS,
+        )  # fmt: skip
+        if done > PENDING:
+            self.completed_inline += done == DONE_INLINE
             self._finish(address)
-        elif self._progress_inline(batch, sum(run.nbytes for run in runs)):
-            self.completed_inline += 1
-            self._drain()
-        elif (status := ucp.worker_signal(self.worker)) != 0:
-            # A get that returned a request moves its bytes in a later ucp_worker_progress: the
-            # signal wakes UCXX's progress thread from epoll now, not at its timeout. Without it
-            # the gets still complete (at the timeout), so a failure is logged, not raised.
-            log.warning("ucp_worker_signal failed", status=ucp.status_string(status).decode())
+        elif done < PENDING:
+            # Without the signal the gets still complete (at the progress thread's epoll timeout),
+            # so a failure is logged, not raised.
+            log.warning("ucp_worker_signal failed", status=_lib().status_string(done).decode())
         return batch.future
-
-    def _progress_inline(self, batch: _Batch, nbytes: int) -> bool:
-        """Progress the worker on this thread while it makes headway, until `batch` finished (True).
-
-        Stops at the first call that found nothing to do, so it never spins: an idle call means the
-        bytes are not ready here (a network lane, or the progress thread already copying), and the
-        signal below hands the batch to the progress thread. Over CMA a small batch's copy then runs
-        here, sparing the two thread wake-ups (progress thread, then the loop) that its completion
-        otherwise costs; the copy itself is work this process does on some thread either way."""
-        if nbytes > INLINE_PROGRESS_BYTES:
-            return False
-        progress = _lib().worker_progress
-        for _ in range(INLINE_PROGRESS_CALLS):
-            made_headway = progress(self.worker)
-            if not batch.c.pending:
-                return True
-            if not made_headway:
-                return False
-        return False
 
     async def close(self) -> None:
         """Wait until every posted get completed (close the endpoints first, so that none can be

@@ -77,6 +77,13 @@ class GetLoops:
         done_at: list[float] = []
         failed = False
 
+        # each ring slot's get, built once (as NIXL's row prepares one transfer handle per slot)
+        runs = [
+            [GetRun(buf.data_ptr(), int(source[1]), buf.nbytes)]
+            for buf, source in zip(ring, sources, strict=True)
+        ]
+        local = self._local
+
         async def stream(first: int) -> None:
             # one of `depth` streams: gets first, first + depth, ... back to back, each posted as
             # soon as the one before it completed (no task or semaphore per get)
@@ -86,9 +93,8 @@ class GetLoops:
                     return  # the peer is gone: stop posting, report the first failure below
                 j = i % len(ring)
                 t0 = time.perf_counter()
-                run = GetRun(ring[j].data_ptr(), int(sources[j][1]), ring[j].nbytes)
                 try:
-                    await rma.get(keys[i % len(keys)], [run], self._local[j] if self._local else None)
+                    await rma.get(keys[i % len(keys)], runs[j], local[j])
                 except Exception:
                     failed = True
                     raise

@@ -1,8 +1,10 @@
-"""The native completion path of RMA gets (kvtransfer/csrc/rma_wake.c, kvtransfer.rma_wake).
+"""The native posting and completion path of RMA gets (kvtransfer/csrc/rma_wake.c, kvtransfer.rma_wake).
 
-The library alone, built from source into a temporary directory and driven by real threads, and
-then many concurrent `Rma.get` batches over real UCX endpoints to two agent processes, one of them
-made to fail: every batch completes once, with its own outcome, and nothing is left behind.
+The library alone, built from source into a temporary directory and driven by real threads (and,
+for `rma_get`, by a scripted UCP: its function pointers are Python callbacks that say what each get
+and each progress call does), and then many concurrent `Rma.get` batches over real UCX endpoints to
+two agent processes, one of them made to fail: every batch completes once, with its own outcome,
+and nothing is left behind.
 """
 
 from __future__ import annotations
@@ -32,6 +34,23 @@ def lib(tmp_path_factory: pytest.TempPathFactory) -> rma_wake.NativeWake:
     target = tmp_path_factory.mktemp("rma_wake") / rma_wake.LIBRARY.name
     rma_wake.build(target)
     return rma_wake.NativeWake(target)
+
+
+def test_a_library_built_from_an_older_source_is_rebuilt_before_it_is_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old_source = tmp_path / "rma_wake_old.c"
+    old_source.write_text(rma_wake.SOURCE.read_text().replace(rma_wake.ABI.decode(), "rma_wake ABI 1"))
+    target = tmp_path / rma_wake.LIBRARY.name
+    monkeypatch.setattr(rma_wake, "SOURCE", old_source)
+    rma_wake.build(target)
+    mtime = target.stat().st_mtime_ns
+    assert rma_wake.ABI not in target.read_bytes()
+    monkeypatch.undo()  # this checkout's source again
+    monkeypatch.setattr(rma_wake, "LIBRARY", target)
+    loaded = rma_wake.native.__wrapped__()  # what `native()` does on first use, uncached
+    assert rma_wake.ABI in target.read_bytes() and target.stat().st_mtime_ns != mtime
+    assert loaded.get is not None and loaded.complete
 
 
 def _readable(fd: int) -> bool:
@@ -104,6 +123,124 @@ def test_an_inline_error_is_the_batchs_and_an_inline_batch_is_never_queued(lib: 
         assert lib.release(ctypes.byref(batch), 4, UCS_ERR_IO_ERROR) == 1
         assert batch.status == UCS_ERR_IO_ERROR and batch.pending == 0
         assert not _readable(efd) and _drain(lib, wake) == []
+    finally:
+        os.close(efd)
+
+
+GET_NBX = ctypes.CFUNCTYPE(
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_uint64,
+    ctypes.c_void_p,
+    ctypes.c_void_p,
+)
+PROGRESS = ctypes.CFUNCTYPE(ctypes.c_uint, ctypes.c_void_p)
+SIGNAL = ctypes.CFUNCTYPE(ctypes.c_int32, ctypes.c_void_p)
+FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+REQUEST = 1 << 20  # what the scripted get_nbx returns for a get it leaves in flight (a "request")
+
+
+class ScriptedUcp:
+    """UCP as `rma_get` sees it. `outcomes[i]` is what the i-th get returns: 0 (done at post), a
+    negative status (failed at post) or REQUEST (in flight; progress completes one per call, or
+    none while `stalled`). Records the gets, the progress calls, the signals, the freed requests."""
+
+    def __init__(self, lib: rma_wake.NativeWake, outcomes: list[int], stalled: bool = False) -> None:
+        self.lib, self.outcomes, self.stalled = lib, outcomes, stalled
+        self.gets: list[tuple[int, int, int]] = []
+        self.in_flight: list[tuple[int, int]] = []  # (request, user_data)
+        self.progress_calls = self.signals = 0
+        self.freed: list[int] = []
+        self._complete = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p)(
+            lib.complete
+        )
+        self._fns = (GET_NBX(self._get), PROGRESS(self._progress), SIGNAL(self._signal))
+        self.c = rma_wake.CUcp(*(ctypes.cast(f, ctypes.c_void_p).value for f in self._fns), None)
+        self.free = FREE(self.freed.append)
+
+    def _get(self, ep: int, local: int, nbytes: int, remote: int, rkey: int, param: int) -> int:
+        outcome = self.outcomes[len(self.gets)]
+        self.gets.append((local, remote, nbytes))
+        if outcome != REQUEST:
+            return outcome & ((1 << 64) - 1)  # a status as a pointer: 0 or an error in (-100, 0)
+        request = REQUEST + len(self.gets)
+        user_data = ctypes.c_void_p.from_address(param + 32).value  # ucp_request_param_t.user_data
+        self.in_flight.append((request, user_data or 0))
+        return request
+
+    def complete_one(self, status: int = 0) -> None:
+        request, user_data = self.in_flight.pop(0)
+        self._complete(request, status, user_data)
+
+    def _progress(self, worker: int) -> int:
+        self.progress_calls += 1
+        if self.stalled or not self.in_flight:
+            return 0
+        self.complete_one()
+        return 1
+
+    def _signal(self, worker: int) -> int:
+        self.signals += 1
+        return 0
+
+    def get(self, batch: rma_wake.CBatch, n: int, inline_bytes: int, calls: int = 64) -> int:
+        runs = (rma_wake.CRun * n)(*(rma_wake.CRun(4096 * (i + 1), 8192 * (i + 1), 100) for i in range(n)))
+        return int(
+            self.lib.get(ctypes.byref(batch), ctypes.byref(self.c), 1, 2, None, runs, n, inline_bytes, calls)
+        )
+
+
+def test_rma_get_posts_every_run_and_resolves_a_batch_it_finished_without_queueing_it(
+    lib: rma_wake.NativeWake,
+) -> None:
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        # every get done at post, one of them failed: no progress, no signal, the first error kept
+        ucp = ScriptedUcp(lib, [0, UCS_ERR_IO_ERROR, 0])
+        wake = rma_wake.CWake(None, ctypes.cast(ucp.free, ctypes.c_void_p).value, efd, 0)
+        batch = rma_wake.CBatch(None, ctypes.addressof(wake), 3 + 1, 0)
+        assert ucp.get(batch, 3, inline_bytes=1 << 20) == rma_wake.DONE_AT_POST
+        assert ucp.gets == [(4096, 8192, 100), (8192, 16384, 100), (12288, 24576, 100)]
+        assert (batch.status, batch.pending, ucp.progress_calls, ucp.signals) == (UCS_ERR_IO_ERROR, 0, 0, 0)
+
+        # two in flight, progressed here until both completed: resolved by the poster, the
+        # eventfd never written (the completions found the poster's reference still held)
+        ucp = ScriptedUcp(lib, [REQUEST, 0, REQUEST])
+        wake.request_free = ctypes.cast(ucp.free, ctypes.c_void_p).value
+        batch = rma_wake.CBatch(None, ctypes.addressof(wake), 3 + 1, 0)
+        assert ucp.get(batch, 3, inline_bytes=300) == rma_wake.DONE_INLINE
+        assert (batch.status, batch.pending, ucp.progress_calls, ucp.signals) == (0, 0, 2, 0)
+        assert sorted(ucp.freed) == [REQUEST + 1, REQUEST + 3]
+        assert not _readable(efd) and _drain(lib, wake) == []
+    finally:
+        os.close(efd)
+
+
+@pytest.mark.parametrize("case", ["stalled", "too_large", "out_of_calls"])
+def test_rma_get_hands_a_batch_it_did_not_finish_to_the_progress_thread(
+    lib: rma_wake.NativeWake, case: str
+) -> None:
+    # stalled: the first progress call finds nothing to do (a network lane) and the poster stops
+    # there, it never spins; too_large: a batch over inline_bytes is not progressed here at all;
+    # out_of_calls: progress makes headway but the call budget ends first
+    efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+    try:
+        ucp = ScriptedUcp(lib, [REQUEST] * 4, stalled=case == "stalled")
+        wake = rma_wake.CWake(None, ctypes.cast(ucp.free, ctypes.c_void_p).value, efd, 0)
+        batch = rma_wake.CBatch(None, ctypes.addressof(wake), 4 + 1, 0)
+        inline_bytes = 399 if case == "too_large" else 400
+        calls = 2 if case == "out_of_calls" else 64
+        assert ucp.get(batch, 4, inline_bytes, calls) == rma_wake.PENDING
+        expected_calls = {"stalled": 1, "too_large": 0, "out_of_calls": 2}[case]
+        assert (ucp.progress_calls, ucp.signals) == (expected_calls, 1)
+        assert not _readable(efd), "queued while gets were still in flight"
+        ucp.complete_one(UCS_ERR_IO_ERROR)
+        while ucp.in_flight:
+            ucp.complete_one()
+        assert _readable(efd) and _drain(lib, wake) == [ctypes.addressof(batch)]
+        assert (batch.status, batch.pending, len(ucp.freed)) == (UCS_ERR_IO_ERROR, 0, 4)
     finally:
         os.close(efd)
 
