@@ -52,7 +52,7 @@ import torch
 
 from kvtransfer.errors import PeerLost, TransportError
 from kvtransfer.layout import KVLayout
-from kvtransfer.nixl_memory import Reads, Region, Regions, import_nixl
+from kvtransfer.nixl_memory import Reads, Region, Regions, import_nixl, metadata_agent
 from kvtransfer.nixl_rma import NixlRemoteKey, NixlRma, mem_type, unpack_key
 from kvtransfer.tcp import TcpTransport
 from kvtransfer.transport import CLOSED_LOCALLY, Peer, PostedRecv, as_bytes, shut_down
@@ -188,8 +188,12 @@ class NixlPeer(Peer):
 
     def _on_frame(self, kind: int, tag: int, addr: int, nbytes: int, device: int, payload: bytes) -> None:
         if kind == _RTS:
-            if payload:
-                self._agent.add_remote_agent(payload)  # the sender's new registration
+            if payload:  # the sender's new registration, loaded only if it is the sender's own
+                if (name := metadata_agent(payload)) != self.remote:
+                    raise ConnectionError(
+                        f"an RTS carried NIXL metadata of agent {name!r}, not of {self.remote!r}"
+                    )
+                self._agent.add_remote_agent(payload)
             if tag in self._posted:
                 if self._posted[tag].read is not None or tag in self._matched:
                     # a second READ would land in the buffer after its receive completed
@@ -357,12 +361,15 @@ class NixlPeer(Peer):
             raise PeerLost(self.lost_reason or "peer lost")
         try:
             device, metadata = unpack_key(packed)
-            name = self._agent.add_remote_agent(metadata)
-        except Exception as e:  # too short, or NIXL refused the metadata
-            raise RmaError(f"not a NIXL pool key: {e!r}") from e
-        name = name.decode() if isinstance(name, bytes) else str(name)
-        if name != self.remote:
+            name = metadata_agent(metadata)
+        except ValueError as e:
+            raise RmaError(f"not a NIXL pool key: {e}") from e
+        if name != self.remote:  # refused before NIXL merges it into that agent's registrations
             raise RmaError(f"the pool key names agent {name!r}, this peer is {self.remote!r}")
+        try:
+            self._agent.add_remote_agent(metadata)
+        except Exception as e:  # NIXL refused the metadata
+            raise RmaError(f"not a NIXL pool key: {e!r}") from e
         return NixlRemoteKey(self.remote, device)
 
     # -- loss --------------------------------------------------------------------------------------
@@ -488,15 +495,22 @@ class NixlTransport(TcpTransport):
         kind, *_, payload = await read_frame(sock)
         try:
             theirs = json.loads(payload) if kind == _META else {}
-            name = self.agent.add_remote_agent(bytes.fromhex(theirs["metadata"]))
-        except Exception as e:  # not JSON, no or bad metadata, NIXL refused it
+            metadata = bytes.fromhex(theirs["metadata"])
+            name = metadata_agent(metadata)
+        except Exception as e:  # not JSON, no or malformed metadata
             raise ConnectionError(f"no valid NIXL metadata after the hello: {e!r}") from e
-        name = name.decode() if isinstance(name, bytes) else str(name)
+        # Checked before NIXL loads it (it would merge into an agent it already knows): the blob
+        # must be the claimed agent's, and no agent we already talk to, nor our own.
         if name != theirs.get("name"):
-            self.forget_remote(name)
             raise ConnectionError(
                 f"NIXL metadata names agent {name!r}, the peer claimed {theirs.get('name')!r}"
             )
+        if name == self.name or name in self._remote_agents():
+            raise ConnectionError(f"NIXL agent {name!r} is already connected here")
+        try:
+            self.agent.add_remote_agent(metadata)
+        except Exception as e:  # NIXL refused it
+            raise ConnectionError(f"no valid NIXL metadata after the hello: {e!r}") from e
         if accepted:
             await loop.sock_sendall(sock, ours)
         return name
@@ -505,6 +519,10 @@ class NixlTransport(TcpTransport):
         async with asyncio.timeout(self.connect_timeout_s):  # no task of its own: no await after it
             remote = await self._exchange_metadata(sock, accepted)
         return NixlPeer(address, sock, self, remote)
+
+    def _remote_agents(self) -> set[str]:
+        """The NIXL agents of our live peers."""
+        return {p.remote for p in self._peers.values() if isinstance(p, NixlPeer) and not p.lost}
 
     def forget_remote(self, name: str) -> None:
         """Disconnect NIXL from a remote agent, once no pull READ of ours from it is in flight."""

@@ -17,6 +17,8 @@ import torch
 from kvtransfer.transport import as_bytes
 
 MAX_IDLE_REGIONS = 32  # storage mode: idle registrations kept (LRU), e.g. recent staging buffers
+_METADATA_HEAD = b"nixlSerDes|Agent"  # NIXL 1.5's serialized agent metadata starts with its name
+MAX_AGENT_NAME = 256
 
 
 def import_nixl() -> Any:
@@ -26,6 +28,21 @@ def import_nixl() -> Any:
         with contextlib.suppress(ImportError):
             return importlib.import_module(name)
     raise ImportError("the nixl backend needs NIXL: pip install 'splitserve[nixl]' (nixl-cu12)")
+
+
+def metadata_agent(metadata: bytes) -> str:
+    """The agent name a NIXL metadata blob (full or partial) speaks for, read without loading it:
+    `add_remote_agent` merges what it loads into whatever that agent already had, so a peer's blob
+    is checked before it reaches our agent. ValueError when it is not NIXL 1.5's serialization
+    (`nixlSerDes|Agent`, the name's length as 8 bytes little-endian, the name, `|`)."""
+    head = len(_METADATA_HEAD)
+    if not metadata.startswith(_METADATA_HEAD) or len(metadata) < head + 8:
+        raise ValueError("not NIXL agent metadata")
+    size = int.from_bytes(metadata[head : head + 8], "little")
+    end = head + 8 + size
+    if not 0 < size <= MAX_AGENT_NAME or metadata[end : end + 1] != b"|":
+        raise ValueError(f"NIXL agent metadata with a malformed name ({size} bytes)")
+    return metadata[head + 8 : end].decode(errors="replace")
 
 
 @dataclass(eq=False)

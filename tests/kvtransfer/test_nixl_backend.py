@@ -248,3 +248,81 @@ async def test_a_peer_announcing_endless_unposted_messages_is_dropped() -> None:
         assert "nobody posted" in (p.to_sender.lost_reason or "")
     finally:
         await p.close()
+
+
+def test_the_agent_a_metadata_blob_speaks_for_is_read_without_loading_it() -> None:
+    from kvtransfer.nixl_memory import import_nixl, metadata_agent
+
+    nixl = import_nixl()
+    agent = nixl.nixl_agent("agent-one", nixl.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+    src = torch.zeros(4096, dtype=torch.uint8)
+    registered = agent.register_memory([src])
+    try:
+        assert metadata_agent(agent.get_agent_metadata()) == "agent-one"
+        partial = agent.get_partial_agent_metadata(registered, False)
+        assert metadata_agent(partial) == "agent-one"
+        for bad in (
+            b"",
+            b"nixlSerDes|Agent",
+            partial[:20],
+            partial.replace(b"agent-one|", b"agent-one#"),
+            b"x" + partial,
+        ):
+            with pytest.raises(ValueError):
+                metadata_agent(bad)
+        too_long = b"nixlSerDes|Agent" + (1 << 40).to_bytes(8, "little") + b"a|"
+        with pytest.raises(ValueError, match="malformed name"):
+            metadata_agent(too_long)
+    finally:
+        agent.deregister_memory(registered)
+
+
+async def test_metadata_of_another_agent_is_refused_before_it_is_loaded() -> None:
+    """A peer may hand us NIXL metadata three ways (the pairing, an RTS, a pool key): each must be
+    its own agent's. NIXL merges what `add_remote_agent` loads into the agent it names, so a blob
+    of a third agent would rewire our reads of that agent: it is refused before it is loaded."""
+    from kvtransfer.nixl import _RTS
+    from kvtransfer.nixl_rma import NixlRegion
+    from kvtransfer.ucx_rma import RmaError
+
+    p = Pair(NixlSettings())
+    third = NixlTransport(LAYOUT, NixlSettings())
+    await p.start()
+    await third.start()
+    try:
+        # the receiver knows the third agent (a second prefill worker, say): loading a blob of it
+        # would succeed and merge, which is the danger
+        await third.connect(p.recv_side.address, p.recv_side.key)
+        await _until(lambda: p.recv_side.peer(third.address) is not None, "the third peer accepted")
+        src = torch.ones(4096, dtype=torch.uint8)
+        region = NixlRegion(third.rma, src)  # the third agent's pool key (device, its metadata)
+        with pytest.raises(RmaError, match="names agent"):
+            p.to_sender.unpack_rkey(region.rkey)  # type: ignore[attr-defined]
+        region.close()
+
+        # The pairing: a transport presenting the metadata of an agent the receiver already talks to.
+        impostor = NixlTransport(LAYOUT, NixlSettings())
+        await impostor.start()
+        try:
+            impostor.name, impostor.agent = p.send_side.name, p.send_side.agent
+            refused = p.recv_side.refused["closed"]
+            with pytest.raises(TransportError):
+                await impostor.connect(p.recv_side.address, p.recv_side.key)
+            await _until(lambda: p.recv_side.refused["closed"] > refused, "the receiver refused the impostor")
+        finally:
+            impostor.name, impostor.agent = "impostor", None  # the agent is the sender's: not ours to close
+            await impostor.close()
+
+        # An RTS whose registration is another agent's: the peer is dropped, nothing is read.
+        dst = torch.zeros(4096, dtype=torch.uint8)
+        posted = p.to_sender.post_recv(5, dst)
+        third_blob = third.regions.acquire(src).metadata
+        p.to_receiver._write(_RTS, 5, src.data_ptr(), dst.numel(), -1, third_blob)  # type: ignore[attr-defined]
+        await _until(lambda: p.to_sender.lost, "the receiver dropped the peer")
+        assert "an RTS carried NIXL metadata of agent" in (p.to_sender.lost_reason or "")
+        with pytest.raises(TransportError):
+            await asyncio.wait_for(posted.wait(), WAIT_S)
+        assert int(dst.count_nonzero()) == 0
+    finally:
+        await third.close()
+        await p.close()
