@@ -174,24 +174,26 @@ class GetRun:
 
 
 class _Batch:
-    """Gets of one `Rma.get` call. `c` is their UCP user_data; the Rma holds this object (so `c`'s
-    memory) until the C callback of the last get queued it and the loop drained it."""
+    """Gets of one `Rma.get` call that its poster did not finish. `c` is their UCP user_data; the
+    Rma holds this object (so `c`'s memory) until the C callback of the last get queued it and the
+    loop drained it."""
 
     __slots__ = ("c", "future")
 
-    def __init__(self, wake: int, count: int, future: asyncio.Future[None]) -> None:
-        self.c = CBatch(None, wake, count + 1, 0)  # +1: held by the posting thread until all posted
-        self.future = future
+    def __init__(self, c: CBatch, future: asyncio.Future[None]) -> None:
+        self.c, self.future = c, future
 
     def resolve(self) -> None:
         if self.future.done():  # the caller cancelled its wait; the gets still had to finish
             return
         if self.c.status:
-            self.future.set_exception(
-                RmaError(f"ucp_get_nbx: {_lib().status_string(self.c.status).decode()}")
-            )
+            self.future.set_exception(_failure(self.c.status))
         else:
             self.future.set_result(None)
+
+
+def _failure(status: int) -> RmaError:
+    return RmaError(f"ucp_get_nbx: {_lib().status_string(status).decode()}")
 
 
 class Rma:
@@ -220,6 +222,8 @@ class Rma:
         self._batches: dict[int, _Batch] = {}  # by the address of their C struct
         self.completed_inline = 0  # batches their poster's progress finished (the rest: progress thread)
         self._drained = asyncio.Event()
+        self._succeeded: asyncio.Future[None] = self._loop.create_future()  # what a batch finished
+        self._succeeded.set_result(None)  # here without error returns: done, shared, never reset
         self._loop.add_reader(self._efd, self._drain)
 
     @property
@@ -257,15 +261,15 @@ class Rma:
         """Post every run's get on `rkey`'s endpoint now; the future completes when all finished
         (RmaError if any failed). Await it before reusing the destination memory, even on abort
         (cancelling the future does not stop the gets). `local`, when given, is the registered
-        region the destinations lie in (saves UCP a lookup)."""
+        region the destinations lie in (saves UCP a lookup). A batch finished before this returns
+        gets an already-resolved future that may be shared with other such batches: never cancel
+        or compare it by identity."""
         if rkey.handle is None:
             raise RmaError("get on a destroyed remote key")
         if self._efd is None:
             raise RmaError("get on a closed Rma")
-        batch = _Batch(self._wake_address, len(runs), self._loop.create_future())
-        address = ctypes.addressof(batch.c)
-        self._batches[address] = batch
-        self._drained.clear()
+        c = CBatch(None, self._wake_address, len(runs) + 1, 0)  # +1: the poster's, until it let go
+        address = ctypes.addressof(c)
         if len(runs) > len(self._runs):
             self._runs = (CRun * len(runs))()
         c_runs = self._runs
@@ -276,10 +280,19 @@ class Rma:
             address, self._ucp_address, rkey.ep, rkey.handle, memh, c_runs, len(runs),
             INLINE_PROGRESS_BYTES, INLINE_PROGRESS_CALLS,
         )  # fmt: skip
-        if done > PENDING:
+        if done > PENDING:  # finished here, never queued: nothing to track
             self.completed_inline += done == DONE_INLINE
-            self._finish(address)
-        elif done < PENDING:
+            if not c.status:
+                return self._succeeded
+            failed = self._loop.create_future()
+            failed.set_exception(_failure(c.status))
+            return failed
+        # Registered only now: a completion may already have queued it, but the queue is drained
+        # on this thread, after we return.
+        batch = _Batch(c, self._loop.create_future())
+        self._batches[address] = batch
+        self._drained.clear()
+        if done < PENDING:
             # Without the signal the gets still complete (at the progress thread's epoll timeout),
             # so a failure is logged, not raised.
             log.warning("ucp_worker_signal failed", status=_lib().status_string(done).decode())
