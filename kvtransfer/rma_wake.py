@@ -36,6 +36,11 @@ LIBRARY = Path(__file__).parent / f"_rma_wake{sysconfig.get_config_var('EXT_SUFF
 BUILD_HINT = "run `python setup.py build_ext --inplace` in the checkout (or reinstall the package)"
 
 
+def address(function: Any) -> int:
+    """The address of a ctypes function: what C calls through a function pointer."""
+    return ctypes.cast(function, ctypes.c_void_p).value or 0
+
+
 def bind(lib: ctypes.CDLL, name: str, restype: Any, *argtypes: Any) -> Any:
     """`lib`'s function `name` with its ctypes signature set."""
     fn = getattr(lib, name)
@@ -55,7 +60,8 @@ class CWake(ctypes.Structure):
 
 
 class CBatch(ctypes.Structure):
-    """`struct rma_batch`: one per `Rma.get` call; must stay alive until the batch is drained."""
+    """`struct rma_batch`: one per `Rma.get` call; must stay alive until the batch finished (for a
+    batch `rma_get` left pending: until the loop drained it)."""
 
     _fields_ = [
         ("next", ctypes.c_void_p),
@@ -92,7 +98,7 @@ class NativeWake:
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
-        self.complete: int = ctypes.cast(lib.rma_wake_complete, vp).value or 0
+        self.complete = address(lib.rma_wake_complete)
         self.release = bind(lib, "rma_batch_release", i32, vp, i64, i32)
         self.get = bind(lib, "rma_get", i32, vp, vp, vp, vp, vp, vp, i64, i64, i32)
         self.drain = bind(lib, "rma_wake_drain", vp, vp)

@@ -61,8 +61,9 @@ DEFAULT_UCX_OPTIONS: dict[str, str] = {
     # buffer the sender gave up on: `UcxPeer.send` keeps such buffers alive until UCX is done, and
     # the session contract already lets only an aborted receiver read an abandoned send.
     "CMA_MEMORY_INVALIDATE": "y",
-    # CMA copies in 4 MiB `process_vm_readv` calls, not 512 KiB: one-sided gets 1.00-1.08x NIXL
-    # at 1-64 MiB against 0.90-0.97x (docs/kvtransfer.md, "Posted in C, copied in 4 MiB calls").
+    # CMA copies in 4 MiB `process_vm_readv` calls, not 512 KiB: one-sided gets / NIXL medians at
+    # 1-64 MiB 0.90-0.97 at 512k (8 rounds), 0.995-1.06 at 4m (18 rounds) (docs/kvtransfer.md,
+    # "Posted in C, copied in 4 MiB calls").
     "CMA_SEG_SIZE": "4m",
 }
 

@@ -34,13 +34,12 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import structlog
 import torch
 
 from kvtransfer.errors import TransportError
-from kvtransfer.rma_wake import DONE_INLINE, PENDING, CBatch, CRun, CUcp, CWake, bind, native
+from kvtransfer.rma_wake import DONE_INLINE, PENDING, CBatch, CRun, CUcp, CWake, address, bind, native
 
 log = structlog.get_logger(__name__)
 
@@ -113,11 +112,6 @@ class _Ucp:
 @functools.cache
 def _lib() -> _Ucp:
     return _Ucp()
-
-
-def _address(function: Any) -> int:
-    """The address of a ctypes function (what C calls through a function pointer)."""
-    return ctypes.cast(function, ctypes.c_void_p).value or 0
 
 
 class MemRegion:
@@ -211,12 +205,9 @@ class Rma:
         self._native = native()
         self._loop = asyncio.get_running_loop()
         self._efd: int | None = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        request_free = ctypes.cast(ucp.request_free, ctypes.c_void_p).value
-        self._wake = CWake(None, request_free, self._efd, 0)
+        self._wake = CWake(None, address(ucp.request_free), self._efd, 0)
         self._wake_address = ctypes.addressof(self._wake)
-        self._ucp = CUcp(
-            *(_address(f) for f in (ucp.get_nbx, ucp.worker_progress, ucp.worker_signal)), worker
-        )
+        self._ucp = CUcp(*(address(f) for f in (ucp.get_nbx, ucp.worker_progress, ucp.worker_signal)), worker)
         self._ucp_address = ctypes.addressof(self._ucp)
         self._runs = (CRun * 16)()  # `get`'s runs for rma_get, grown on demand (loop thread only)
         self._batches: dict[int, _Batch] = {}  # by the address of their C struct

@@ -22,7 +22,6 @@
 #include <stdint.h>
 #include <unistd.h>
 
-
 #ifdef __cplusplus
 extern "C" {
 #endif
