@@ -128,6 +128,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whenever its estimate is within it; default: the coordinator's, 0 = off)",
     )
     a(
+        "--router-local-prefill-max-tokens",
+        type=non_negative,
+        default=None,
+        help="the coordinator's --local-prefill-max-tokens (conditional: the longest uncached prompt "
+        "a decode worker may prefill itself; default: the coordinator's)",
+    )
+    a(
         "--router-tpot-guard",
         choices=TPOT_GUARDS,
         default=None,
@@ -175,6 +182,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write attainment-vs-rate.png and attainment-vs-slo-scale.png here",
     )
+
+
+def router_args(args: argparse.Namespace, router_tpot_ms: float) -> list[str]:
+    """The coordinator flags that the `--router-*` and `--first-token-from` flags set (those unset
+    keep the coordinator's defaults; the TPOT target is always given)."""
+    out = ["--tpot-slo-ms", f"{router_tpot_ms:g}"]
+    if args.router_tpot_guard:
+        out += ["--tpot-guard", args.router_tpot_guard]
+    if args.router_local_first_ttft_ms is not None:
+        out += ["--local-first-ttft-ms", f"{args.router_local_first_ttft_ms:g}"]
+    if args.router_local_prefill_max_tokens is not None:
+        out += ["--local-prefill-max-tokens", str(args.router_local_prefill_max_tokens)]
+    if args.first_token_from:
+        out += ["--first-token-from", args.first_token_from]
+    return out
 
 
 def _workloads(args: argparse.Namespace) -> list[list[Item]]:
@@ -242,13 +264,7 @@ def run(args: argparse.Namespace) -> int:
     spec = None
     if not args.target:
         spec = cluster_spec(args)
-        spec.coordinator_args = [*spec.coordinator_args, "--tpot-slo-ms", f"{router_tpot:g}"]
-        if args.router_tpot_guard:
-            spec.coordinator_args += ["--tpot-guard", args.router_tpot_guard]
-        if args.router_local_first_ttft_ms is not None:
-            spec.coordinator_args += ["--local-first-ttft-ms", f"{args.router_local_first_ttft_ms:g}"]
-        if args.first_token_from:
-            spec.coordinator_args += ["--first-token-from", args.first_token_from]
+        spec.coordinator_args = [*spec.coordinator_args, *router_args(args, router_tpot)]
     with BusyLoops(args.busy, args.busy_pin) as busy:
         if busy.pids:
             where = "on the bench's CPUs" if args.busy_pin is None else f"on CPUs {list(args.busy_pin)}"
@@ -267,6 +283,7 @@ def run(args: argparse.Namespace) -> int:
         "router_tpot_slo_ms": None if args.target else router_tpot,
         "router_tpot_guard": args.router_tpot_guard,
         "router_local_first_ttft_ms": args.router_local_first_ttft_ms,
+        "router_local_prefill_max_tokens": args.router_local_prefill_max_tokens,
         "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "prefill_ms_while_decoding": args.prefill_ms_while_decoding,

@@ -150,6 +150,21 @@ def test_pin_and_thread_flags_parse() -> None:
     assert set(parse_long_prefill_thresholds("128").values()) == {128}
 
 
+def test_router_flags_reach_the_coordinator_as_its_own() -> None:
+    """What `--router-*` and `--first-token-from` set is what the study's coordinator parses."""
+    flags = ["--router-local-prefill-max-tokens", "2048", "--router-local-first-ttft-ms", "1500"]
+    flags += ["--router-tpot-guard", "increment", "--first-token-from", "prefill"]
+    args = build_parser("bench").parse_args(["bench", *flags])
+    forwarded = bench.router_args(args, 80.0)
+    coordinator = build_parser("coordinator").parse_args(["coordinator", "--model", "tiny", *forwarded])
+    assert (coordinator.local_prefill_max_tokens, coordinator.local_first_ttft_ms) == (2048, 1500.0)
+    assert (coordinator.tpot_guard, coordinator.first_token_from, coordinator.tpot_slo_ms) == (
+        "increment", "prefill", 80.0,
+    )  # fmt: skip
+    defaults = bench.router_args(build_parser("bench").parse_args(["bench"]), 0.0)
+    assert defaults == ["--tpot-slo-ms", "0"]  # the rest stays the coordinator's own default
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -165,6 +180,7 @@ def test_pin_and_thread_flags_parse() -> None:
         (["--mix", "docs-chats", "--dataset", "x.jsonl"], "not allowed with argument"),
         (["--control-planes", "curve,tls"], "'tls' is not a control plane (curve, plain)"),
         (["--router-tpot-slo-ms", "-1"], "argument --router-tpot-slo-ms: -1 is not >= 0 (0: off)"),
+        (["--router-local-prefill-max-tokens", "-1"], "-1 is negative"),
         (["--prefill-tokens-while-decoding", "-16"], "-16 is negative (0: off)"),
         (["--num-requests", "0"], "argument --num-requests: 0 is not >= 1"),
         (["--rounds", "two"], "'two' is not an integer"),
