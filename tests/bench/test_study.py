@@ -63,6 +63,7 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
             assert req["path"] == {"colocated": "colocated", "disaggregated": "remote"}[row["mode"]]
             routing = req["routing_ms"]  # the router's estimates behind the path
             assert routing["estimated_ttft_ms"] > 0 and routing["remote_ttft_ms"] >= 0
+            assert routing["local_tpot_ms"] >= 0 and routing["tpot_target_ms"] == 0  # --slo-scale: guard off
             if row["mode"] == "disaggregated":
                 assert routing["estimated_ttft_ms"] == pytest.approx(routing["remote_ttft_ms"])
             # 8 or 4 tokens each: a first gap, 0 when the coordinator delivered tokens 1 and 2 in one Delta
