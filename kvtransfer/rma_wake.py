@@ -99,7 +99,7 @@ class NativeWake:
         lib = ctypes.CDLL(str(path))
         vp, i32, i64 = ctypes.c_void_p, ctypes.c_int32, ctypes.c_int64
         self.complete = address(lib.rma_wake_complete)
-        self.release = bind(lib, "rma_batch_release", i32, vp, i64, i32)
+        self.release = bind(lib, "rma_batch_release", i32, vp, i64, i32)  # rma_get's, bound for tests
         self.get = bind(lib, "rma_get", i32, vp, vp, vp, vp, vp, vp, i64, i64, i32)
         self.drain = bind(lib, "rma_wake_drain", vp, vp)
         self.quiesce = bind(lib, "rma_wake_quiesce", None, vp)

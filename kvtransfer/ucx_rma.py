@@ -100,7 +100,7 @@ class _Ucp:
         self.ep_rkey_unpack = bind(lib, "ucp_ep_rkey_unpack", st, vp, vp, vp)
         self.rkey_destroy = bind(lib, "ucp_rkey_destroy", None, vp)
         self.get_nbx = lib.ucp_get_nbx  # called from rma_wake.c only
-        self.request_free = bind(lib, "ucp_request_free", None, vp)
+        self.request_free = lib.ucp_request_free  # called from rma_wake.c only
         self.worker_signal = lib.ucp_worker_signal  # called from rma_wake.c only
         self.worker_progress = lib.ucp_worker_progress  # called from rma_wake.c only
 

@@ -9,7 +9,7 @@ import asyncio
 import json
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
@@ -154,18 +154,30 @@ async def test_a_second_announcement_of_a_matched_message_drops_the_peer() -> No
     p = Pair(NixlSettings())
     await p.start()
     try:
-        dst = torch.zeros(4096, dtype=torch.uint8)
-        posted = p.to_sender.post_recv(7, dst)
-        sender = p.to_receiver
-        sender._write(_RTS, 7, 0, dst.numel())  # type: ignore[attr-defined]
-        await sender._write(_RTS, 7, 0, dst.numel())  # type: ignore[attr-defined]  # one write, both
-        await _until(lambda: p.to_sender.lost, "the receiver dropped the peer")
-        assert "a second RTS for message 0x7" in (p.to_sender.lost_reason or "")
-        with pytest.raises(TransportError):
-            await asyncio.wait_for(posted.wait(), WAIT_S)
-        assert int(dst.count_nonzero()) == 0
+
+        async def twice(dst: torch.Tensor) -> None:
+            sender = p.to_receiver
+            sender._write(_RTS, 7, 0, dst.numel())  # type: ignore[attr-defined]
+            await sender._write(_RTS, 7, 0, dst.numel())  # type: ignore[attr-defined]  # one write, both
+
+        await _assert_forged_rts_drops_the_peer(p, 7, twice, "a second RTS for message 0x7")
     finally:
         await p.close()
+
+
+async def _assert_forged_rts_drops_the_peer(
+    p: Pair, tag: int, forge: Callable[[torch.Tensor], Awaitable[None]], reason: str
+) -> None:
+    """The receiver posts a receive of `tag`, `forge(dst)` writes bad RTS frames from the sender's
+    side: the receiver drops the peer for `reason`, the receive fails and nothing lands in it."""
+    dst = torch.zeros(4096, dtype=torch.uint8)
+    posted = p.to_sender.post_recv(tag, dst)
+    await forge(dst)
+    await _until(lambda: p.to_sender.lost, "the receiver dropped the peer")
+    assert reason in (p.to_sender.lost_reason or "")
+    with pytest.raises(TransportError):
+        await asyncio.wait_for(posted.wait(), WAIT_S)
+    assert int(dst.count_nonzero()) == 0
 
 
 async def test_a_cancelled_receive_is_never_read_into(pair: Pair) -> None:
@@ -314,15 +326,14 @@ async def test_metadata_of_another_agent_is_refused_before_it_is_loaded() -> Non
             await impostor.close()
 
         # An RTS whose registration is another agent's: the peer is dropped, nothing is read.
-        dst = torch.zeros(4096, dtype=torch.uint8)
-        posted = p.to_sender.post_recv(5, dst)
         third_blob = third.regions.acquire(src).metadata
-        p.to_receiver._write(_RTS, 5, src.data_ptr(), dst.numel(), -1, third_blob)  # type: ignore[attr-defined]
-        await _until(lambda: p.to_sender.lost, "the receiver dropped the peer")
-        assert "an RTS carried NIXL metadata of agent" in (p.to_sender.lost_reason or "")
-        with pytest.raises(TransportError):
-            await asyncio.wait_for(posted.wait(), WAIT_S)
-        assert int(dst.count_nonzero()) == 0
+
+        async def with_third_blob(dst: torch.Tensor) -> None:
+            p.to_receiver._write(_RTS, 5, src.data_ptr(), dst.numel(), -1, third_blob)  # type: ignore[attr-defined]
+
+        await _assert_forged_rts_drops_the_peer(
+            p, 5, with_third_blob, "an RTS carried NIXL metadata of agent"
+        )
     finally:
         await third.close()
         await p.close()
