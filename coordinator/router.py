@@ -22,13 +22,15 @@ its own decode worker.
 
 A worker that runs `--long-prefill-token-threshold T` (it reports T, and how many of its queued
 tokens belong to longer prompts) does not serve its queue in order: prompts of at most T tokens go
-first, the one long prompt advancing one block of B tokens in their steps, and its chunk of up to T
-fills the steps without them. With t = min(T, per_step) there
+first, the one long prompt advancing one block of B tokens in their steps (at most half a step's
+prompt tokens), and its chunk of up to T fills the steps without them. With t = min(T, per_step) there
 
-    short prompt (n <= T): steps = ceil((short queued + n) / (per_step - B)), computing those short
-        tokens plus min(long queued, steps x B) long ones (B is 0 once no long work is queued),
-        after half the long prompt's chunk in flight (step_base + min(long queued, t) x
-        cost_per_token: a prompt arriving during a step waits out the rest)
+    short prompt (n <= T): steps = ceil((short queued + n + B) / per_step), computing those short
+        tokens plus the long prompt's share of them: B in the step the prompt joins, then half what
+        the short ones leave of their last step, up to B (B is 0 once no long work is queued), after
+        half the long prompt's chunk in flight
+        (step_base + min(long queued, t) x cost_per_token: a prompt arriving during a step waits
+        out the rest)
     long prompt:           the short queued tokens' steps as above, then the rest of all of them
         at t a step (every queued short prompt runs first)
 
@@ -41,10 +43,13 @@ streams from the decode worker, `--first-token-from decode`, half its decode ste
 the request joins at its next step boundary); the local path (the decode
 worker prefills the prompt itself, in chunks of the step budget its running decodes leave) costs
 
-    work = its queued prefill tokens + tokens placed on it since + the uncached prompt tokens
-    local_ms = prompt(work) + ceil(work / spare) x its decode step (>= its step base)
-               + half its decode step while it runs any (the step in flight, waited out)
-    prompt(n) = n x its prompt cost a token + ceil(n / spare) x its prompt base
+    ahead, steps = the prompt tokens it computes until this prompt is done, and their steps, in its
+                   own order at `spare` a step (the same as a prefill worker's above: under its
+                   threshold a chat goes before a document already prefilling there)
+    local_ms = prompt(ahead, steps) + steps x its decode step (>= its step base)
+               + half its decode step while it runs any, and half a long prompt's chunk in it (the
+               step in flight, waited out)
+    prompt(n, k) = n x its prompt cost a token + k x its prompt base
     spare = its step token budget - its running sequences (one decode token each per step), at most
             its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
 
@@ -59,8 +64,8 @@ leaves the prefill worker to the long ones even when that worker would be sooner
 every prompt a prefill worker takes delays the long prompts queued behind it;
 `always` never prefills on a decode worker; `never` always does.
 
-The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): the `work` tokens
-land in its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A
+The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): all its prompt
+work (`work`: queued, placed since, and this prompt's uncached tokens), in whatever order, lands in its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A
 running request with `r` output tokens left of `n` sees the part of it computed in its remaining
 steps, `prompt(min(work, r x spare))`, spread over its `n - 1` inter-token gaps:
 
@@ -232,34 +237,29 @@ class Router:
         """Estimated ms until a new prompt of `uncached` tokens has its first token on `worker`,
         behind the work queued there (module doc: in order, or beside long prompts under T)."""
         load = worker.load
-        queued = load.queued_tokens + worker.pending_tokens
-        per_step, threshold = load.step_token_budget, load.long_prefill_token_threshold
-        if not threshold or per_step <= 0:
-            return self.compute_ms(worker, queued + uncached)
-        long_work = min(queued, load.queued_long_tokens + worker.pending_long_tokens)
-        short_work = queued - long_work
-        fill = min(threshold, per_step)  # a step's prompt tokens while a long prompt runs
+        run = self.prompt_run(worker, uncached, load.step_token_budget)
         cost_ms = self.cost_us_per_token(worker) / 1e3
-        in_flight = 0.0
-        floor = min(worker.block_size, fill) if long_work else 0
-        if not long_prompt(threshold, uncached):
-            short = short_work + uncached
-            steps = -(-short // max(1, per_step - floor))
-            tokens = short + min(long_work, steps * floor)
-            if long_work:  # the long prompt's chunk in flight, which a short prompt waits out
-                in_flight = (load.step_base_ms + min(long_work, fill) * cost_ms) / 2
-        else:
-            short_steps = -(-short_work // max(1, per_step - floor))
-            tokens = long_work + short_work + uncached
-            steps = short_steps + -(-max(0, tokens - short_work - short_steps * floor) // fill)
-        return tokens * cost_ms + steps * load.step_base_ms + in_flight
+        in_flight = (load.step_base_ms + run.in_flight_tokens * cost_ms) / 2 if run.in_flight_tokens else 0.0
+        return run.tokens * cost_ms + run.steps * load.step_base_ms + in_flight
+
+    def prompt_run(self, worker: WorkerInfo, uncached: int, per_step: int) -> PromptRun:
+        """What `worker` computes, `per_step` prompt tokens a step, until a new prompt of `uncached`
+        tokens is done behind what is queued there (reported and placed since)."""
+        load = worker.load
+        return prompt_run(
+            load.queued_tokens + worker.pending_tokens,
+            load.queued_long_tokens + worker.pending_long_tokens,
+            uncached,
+            per_step,
+            load.long_prefill_token_threshold,
+            worker.block_size,
+        )
 
     def compute_ms(self, worker: WorkerInfo, tokens: int, per_step: int | None = None) -> float:
         """Estimated ms for `worker` to compute `tokens`, `per_step` (default: its step budget) a step."""
         load = worker.load
         per_step = load.step_token_budget if per_step is None else per_step
-        steps = -(-tokens // per_step) if per_step > 0 else 0
-        return tokens * self.cost_us_per_token(worker) / 1e3 + steps * load.step_base_ms
+        return tokens * self.cost_us_per_token(worker) / 1e3 + _steps(tokens, per_step) * load.step_base_ms
 
     def estimate_local(
         self, decode: WorkerInfo, token_ids: Sequence[int], hashes: dict[int, list[int]] | None = None
@@ -273,20 +273,22 @@ class Router:
         if spare <= 0:
             return None
         cached = self.cached_tokens(decode, token_ids, hashes)
-        work = load.queued_tokens + decode.pending_tokens + len(token_ids) - cached
-        steps = -(-work // spare)
-        step_ms = _decode_step_ms(decode)  # its decodes ride in every step
-        ttft = self.local_prompt_ms(decode, work, spare) + steps * step_ms + _step_in_flight_ms(decode)
-        return LocalEstimate(ttft, cached, spare, work, len(token_ids) - cached)
+        own = len(token_ids) - cached
+        work = load.queued_tokens + decode.pending_tokens + own
+        run = self.prompt_run(decode, own, spare)  # what runs before it: D's own order, as P's
+        in_flight = _step_in_flight_ms(decode)  # the step under way, and a long prompt's chunk in it
+        if run.in_flight_tokens:
+            in_flight += self.local_prompt_ms(decode, run.in_flight_tokens, 1) / 2
+        ttft = self.local_prompt_ms(decode, run.tokens, run.steps) + run.steps * _decode_step_ms(decode)
+        return LocalEstimate(ttft + in_flight, cached, spare, work, own)
 
-    def local_prompt_ms(self, decode: WorkerInfo, tokens: int, spare: int) -> float:
-        """What `tokens` of prompt, `spare` a step, add to `decode`'s steps beyond its decodes: the
+    def local_prompt_ms(self, decode: WorkerInfo, tokens: int, steps: int) -> float:
+        """What `tokens` of prompt over `steps` steps add to `decode`'s steps beyond its decodes: the
         fit it reports of prompt tokens beside decodes (a fixed part per step that carries any, and a
         cost a token); before it has one, its whole-step cost a token and no fixed part."""
         load = decode.load
         if load.prompt_beside_decodes_us_per_token <= 0:
             return tokens * self.cost_us_per_token(decode) / 1e3
-        steps = -(-tokens // spare) if spare > 0 else 0
         return (
             tokens * load.prompt_beside_decodes_us_per_token / 1e3
             + steps * load.prompt_beside_decodes_base_ms
@@ -297,7 +299,10 @@ class Router:
     ) -> TpotEstimate:
         """`decode`'s projected TPOT once `est.work_tokens` of prefill land in its steps (module doc)."""
         spare = est.spare_tokens
-        added = self.local_prompt_ms(decode, est.work_tokens, spare)
+
+        def landing(tokens: int) -> float:  # what `tokens` of prompt add, `spare` a step
+            return self.local_prompt_ms(decode, tokens, _steps(tokens, spare))
+
         load = decode.load
         step = load.decode_step_ms or load.step_base_ms + len(running) * self.cost_us_per_token(decode) / 1e3
         worst, pushed = 0.0, 0
@@ -305,9 +310,10 @@ class Router:
         before = est.work_tokens - est.own_tokens  # the prefill work D has without this prompt
         for r in running:
             gaps, room = max(1, r.output_tokens - 1), r.remaining_tokens * spare
-            tpot = step + self.local_prompt_ms(decode, min(est.work_tokens, room), spare) / gaps
+            tpot = step + landing(min(est.work_tokens, room)) / gaps
             worst = max(worst, tpot)
-            pushed += step + self.local_prompt_ms(decode, min(before, room), spare) / gaps <= target < tpot
+            pushed += step + landing(min(before, room)) / gaps <= target < tpot
+        added = landing(est.work_tokens)
         return TpotEstimate(added, worst, len(running), pushed)
 
     def cached_tokens(
@@ -467,6 +473,55 @@ class Router:
 
     def commit_decode(self, decode: WorkerInfo, num_tokens: int) -> None:
         decode.pending_blocks += blocks_for(num_tokens, decode.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class PromptRun:
+    """The prompt work a worker does until a new prompt is done (module doc: its order)."""
+
+    tokens: int  # prompt tokens computed, the new prompt's included
+    steps: int  # the steps they take
+    in_flight_tokens: int  # a long prompt's chunk in the step under way, which a short prompt waits out
+
+
+def prompt_run(
+    queued: int, queued_long: int, uncached: int, per_step: int, threshold: int, block: int
+) -> PromptRun:
+    """A new prompt of `uncached` tokens behind `queued` prompt tokens (`queued_long` of them in prompts
+    over `threshold`), `per_step` prompt tokens a step: first come, first served without a threshold;
+    under one, short prompts first, the one long prompt keeping a `block` of their steps and filling
+    the steps without them up to the threshold (engine.scheduler's order). Exact for a short prompt
+    joining beside the long one alone; behind other short prompts the long one may take its block in
+    more steps than the count has it, a step later each (the count sees one total of short work, not
+    when each joins)."""
+    if not threshold or per_step <= 0:
+        return PromptRun(queued + uncached, _steps(queued + uncached, per_step), 0)
+    long_work = min(queued, queued_long)
+    short_work = queued - long_work
+    fill = min(threshold, per_step)  # a step's prompt tokens while a long prompt runs
+    floor = min(block, fill, per_step // 2) if long_work else 0
+    if not long_prompt(threshold, uncached):
+        steps, beside = _short_first(short_work + uncached, long_work, per_step, floor)
+        return PromptRun(short_work + uncached + beside, steps, min(long_work, fill))
+    steps, beside = _short_first(short_work, long_work, per_step, floor)
+    tokens = long_work + short_work + uncached
+    return PromptRun(tokens, steps + _steps(tokens - short_work - beside, fill), 0)
+
+
+def _short_first(short: int, long_work: int, per_step: int, floor: int) -> tuple[int, int]:
+    """(steps, long prompt tokens in them) while `short` tokens of short prompts run first: the long
+    prompt takes its `floor` in the step a short prompt joins (it runs before the waiting), then half
+    of what the short ones leave of their last step, up to the floor."""
+    if not short:
+        return 0, 0
+    steps = _steps(short + min(long_work, floor), per_step)
+    last_left = steps * per_step - short - floor if steps > 1 else 0
+    return steps, min(long_work, floor + min(floor, last_left // 2))
+
+
+def _steps(tokens: int, per_step: int) -> int:
+    """Steps of at most `per_step` tokens that `tokens` take (0 without a budget)."""
+    return -(-tokens // per_step) if per_step > 0 else 0
 
 
 def _hashes_for(

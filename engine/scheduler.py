@@ -41,8 +41,10 @@ class _LongPromptSlot:
     to be admitted after the running ones) the long prompt takes only `floor` (one KV block), so it
     advances every step however many short prompts arrive while their step stays as short as they
     are: the long prompt's tokens are computed all the same, a step later, and the short prompts'
-    first tokens come at once instead of after a threshold's worth of its chunk. A step without short
-    prompts gives it up to the threshold."""
+    first tokens come at once instead of after a threshold's worth of its chunk. It takes at most half
+    the prompt tokens the step has left, so that under a cap of a block or less (a decode worker's
+    time cap beside its decodes) a waiting short prompt still starts. A step without short prompts
+    gives it up to the threshold."""
 
     threshold: int
     floor: int
@@ -75,7 +77,7 @@ class _LongPromptSlot:
         if not self._is_long(seq):
             return prefill
         if self.short_scheduled or self.short_waiting:
-            return min(self.floor, prefill)  # a short prompt's step stays short; the long one advances
+            return min(self.floor, prefill // 2)  # a short prompt's step stays short; both advance
         return prefill
 
     def scheduled(self, seq: Sequence, tokens: int) -> None:

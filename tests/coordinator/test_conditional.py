@@ -264,3 +264,43 @@ def test_a_chat_goes_to_a_prefill_worker_whose_queue_it_passes(served_model: Ser
     assert placement is not None and placement.path == REMOTE and placement.prefill.worker_id == "p"
     assert placement.remote_ttft_ms == pytest.approx(64 * 0.05 + 48 * 0.05 + 3.0 + 10.0)
     assert placement.local_ttft_ms == pytest.approx(1.6 + 20.0 + 10.0)
+
+
+def test_a_chat_on_the_decode_worker_is_priced_before_the_document_prefilling_there(
+    served_model: ServedModel,
+) -> None:
+    """D prefills a 1,000-token document beside two decodes, 27 prompt tokens a step (its time cap),
+    threshold 128: a 64-token chat goes before the document there (engine.scheduler's order), so its
+    local estimate is its own 64 tokens and 15 of the document's in 3 steps (13, half the step the
+    chat joins, then 2 of the 4 it leaves in its last), at 1 ms a token and 2 ms a step beside the
+    decodes and 15 ms each decode step, after the step in flight (half of 15 ms and half of a
+    27-token chunk): 152 ms, not the 1.7 s of queueing behind the document's tokens. P, prefilling
+    its own document under threshold 256, would take 278 ms: the chat stays on D."""
+    pool = Pool(served_model, RoutingPolicy("conditional", local_prefill_max_tokens=2048))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    pool.report(
+        "p", queued_tokens=1000, queued_long_tokens=1000, long_prefill_token_threshold=256,
+        step_token_budget=2048, step_base_ms=5.0, us_per_token=1250.0,
+    )  # fmt: skip
+    document = {"queued_tokens": 1000, "queued_long_tokens": 1000, "long_prefill_token_threshold": 128}
+    pool.report(
+        "d", step_token_budget=512, running_requests=3, prefill_tokens_while_decoding=27,
+        decode_step_ms=15.0, kv_transfer_ms=3.0, prompt_beside_decodes_us_per_token=1000.0,
+        prompt_beside_decodes_base_ms=2.0, **document,
+    )  # fmt: skip
+    chat = list(range(64))
+    placement = pool.router.place(chat)
+    assert placement is not None and placement.path == LOCAL
+    assert placement.local_ttft_ms == pytest.approx(79 * 1.0 + 3 * 2.0 + 3 * 15.0 + 7.5 + (27 + 2.0) / 2)
+    # P: half its 256-token chunk in flight, then the chat and a 16-token block of the document in
+    # one step, the transfer, and half D's step before token 1 streams from D
+    assert placement.remote_ttft_ms == pytest.approx((5 + 320) / 2 + 80 * 1.25 + 5 + 3.0 + 7.5)
+    pool.report(
+        "d", step_token_budget=512, running_requests=3, prefill_tokens_while_decoding=27,
+        decode_step_ms=15.0, kv_transfer_ms=3.0, prompt_beside_decodes_us_per_token=1000.0,
+        prompt_beside_decodes_base_ms=2.0, queued_tokens=1000,
+    )  # fmt: skip
+    fifo = pool.router.place(chat)  # no threshold on D: the chat waits for the document's tokens
+    assert fifo is not None and fifo.path == REMOTE
+    assert fifo.local_ttft_ms == pytest.approx(1064 + 40 * 2.0 + 40 * 15.0 + 7.5)

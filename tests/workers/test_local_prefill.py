@@ -10,10 +10,12 @@ from dataclasses import replace
 
 import pytest
 
-from engine.config import EngineConfig
+from coordinator.router import prompt_run
+from engine.config import EngineConfig, prefill_budget
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
 from splitserve import wire
 from splitserve.v1 import serving_pb2
 from tests.workers.conftest import Cluster, execution_request
@@ -23,6 +25,19 @@ LENGTH = serving_pb2.FINISH_REASON_LENGTH
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
+def join_decodes(engine: LLMEngine, rng: random.Random, *max_tokens: int) -> list[Sequence]:
+    """One greedy sequence of a 6-token prompt per `max_tokens`, joined as if its KV had landed with
+    token 7: decoding from the next step on."""
+    decodes = []
+    for i, n in enumerate(max_tokens):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), params)
+        assert engine.reserve(seq) is not None
+        engine.join(seq, 7)
+        decodes.append(seq)
+    return decodes
+
+
 def test_running_decodes_take_the_step_budget_before_a_prompt_chunk(loaded: LoadedModel) -> None:
     """The prompt is older than the decodes in the running list, yet every step serves both decodes
     and gives the prompt only what is left of the 16-token budget."""
@@ -30,12 +45,7 @@ def test_running_decodes_take_the_step_budget_before_a_prompt_chunk(loaded: Load
     rng = random.Random(1)
     long = engine.add_request("long", random_prompt(rng, 60), GREEDY)
     engine.step()  # its first chunk: 16 of 60 tokens
-    decodes = []
-    for i in range(2):
-        seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), GREEDY)
-        assert engine.reserve(seq) is not None
-        engine.join(seq, 7)  # as if its KV landed: decoding from the next step on
-        decodes.append(seq)
+    join_decodes(engine, rng, 8, 8)
     while long.num_output_tokens == 0:  # its prefill, chunk by chunk
         out = engine.schedule()
         chunks = {item.seq.request_id: item.num_new_tokens for item in out.scheduled}
@@ -58,13 +68,7 @@ def test_a_prefill_beside_decodes_stays_within_prefill_tokens_while_decoding(loa
         )
         engine = LLMEngine(loaded, config)
         rng = random.Random(3)
-        decodes = []
-        for i in range(2):
-            params = SamplingParams(temperature=0.0, max_tokens=12 + 8 * i, ignore_eos=True)
-            seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), params)
-            assert engine.reserve(seq) is not None
-            engine.join(seq, 7)
-            decodes.append(seq)
+        decodes = join_decodes(engine, rng, 12, 20)
         prompts = [engine.add_request(f"p{i}", random_prompt(rng, n), GREEDY) for i, n in enumerate((40, 9))]
         late = None
         steps = []  # (decodes, prompt tokens) per step
@@ -101,11 +105,7 @@ def test_the_time_cap_turns_the_measured_prompt_token_cost_into_tokens(loaded: L
     )
     engine = LLMEngine(loaded, config)
     rng = random.Random(7)
-    for i in range(2):
-        params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-        seq = engine.new_sequence(f"d{i}", random_prompt(rng, 6), params)
-        assert engine.reserve(seq) is not None
-        engine.join(seq, 7)
+    join_decodes(engine, rng, 40, 40)
 
     def timed_step() -> int:
         out = engine.schedule()
@@ -234,6 +234,85 @@ def test_long_prompts_under_the_threshold_prefill_one_at_a_time(loaded: LoadedMo
     assert first_token_step["short"] == 1
     assert first_token_step["long0"] == 7  # ceil(100 / 16) chunks
     assert first_token_step["long1"] == 7 + 6  # its first chunk rode with long0's last (4 tokens)
+
+
+def beside_a_long_prompt(
+    loaded: LoadedModel, cap: int, long_tokens: int
+) -> tuple[LLMEngine, Sequence, random.Random]:
+    """A decode worker's engine (4-token blocks, threshold 16, `cap` prompt tokens a step beside
+    decodes) running two 80-token decodes and the first step of a `long_tokens` prompt."""
+    config = EngineConfig(
+        block_size=4,
+        num_blocks=256,
+        max_num_batched_tokens=64,
+        prefill_tokens_while_decoding=cap,
+        long_prefill_token_threshold=16,
+    )
+    engine = LLMEngine(loaded, config)
+    rng = random.Random(cap)
+    join_decodes(engine, rng, 80, 80)
+    long = engine.add_request("long", random_prompt(rng, long_tokens), GREEDY)
+    engine.step()
+    return engine, long, rng
+
+
+def test_the_router_prices_a_short_prompt_on_the_decode_worker_in_its_schedulers_order(
+    loaded: LoadedModel,
+) -> None:
+    """A 200-token prompt prefilling beside two decodes, 12 prompt tokens a step at most, threshold 16:
+    three 14-token prompts arriving together finish within the steps, and beside the long prompt's
+    tokens, that `coordinator.router.prompt_run` counts from what the worker reports at each one's
+    arrival, not after the long prompt's 180-odd tokens: exactly for the first; behind other short
+    prompts it may be a step (and the long prompt's block in it) late (its docstring)."""
+    engine, long, rng = beside_a_long_prompt(loaded, cap=12, long_tokens=200)
+    sched = engine.scheduler
+    shorts, predicted = [], []
+    for i in range(3):  # each priced against the queue it joins, as the worker reports it
+        left = [
+            s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running] if s.num_uncomputed_tokens > 1
+        ]
+        spare = prefill_budget(64, sched.prompt_tokens_while_decoding(), len(sched.running))
+        predicted.append(prompt_run(sum(left), sum(n for n in left if n > 16), 14, spare, 16, 4))
+        shorts.append(engine.add_request(f"s{i}", random_prompt(rng, 14), GREEDY))
+    long_before, steps = long.num_uncomputed_tokens, 0
+    for i, (short, run) in enumerate(zip(shorts, predicted, strict=True)):
+        while short.num_output_tokens == 0:
+            engine.step()
+            steps += 1
+        computed_long = long_before - long.num_uncomputed_tokens
+        if i == 0:
+            assert (steps, computed_long + 14) == (run.steps, run.tokens), run
+        else:  # a step late at most, the long prompt's block taken in more of them
+            assert steps - run.steps in (0, 1), (i, steps, run)
+            assert run.tokens - 14 * (i + 1) <= computed_long <= steps * 4, (i, computed_long, run)
+    assert long.num_uncomputed_tokens > 150  # the long prompt is far from done
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check_integrity()
+
+
+def test_a_short_prompt_starts_beside_a_long_one_under_a_cap_of_a_block(loaded: LoadedModel) -> None:
+    """A 100-token prompt prefilling beside two decodes, the cap at 4 prompt tokens a step (one block,
+    as a decode worker's time cap can fall to beside long decodes), threshold 16: a 10-token prompt
+    arriving there starts at once, the long prompt keeping half of each step it joins, where taking
+    its whole block would leave the short one nothing until the long prompt is done."""
+    engine, long, rng = beside_a_long_prompt(loaded, cap=4, long_tokens=100)
+    short = engine.add_request("short", random_prompt(rng, 10), GREEDY)
+    out = engine.schedule()
+    assert {i.seq.request_id: i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk} == {
+        "long": 2,
+        "short": 2,
+    }
+    engine.finish_step(out, engine.execute(out))
+    steps = 1
+    while short.num_output_tokens == 0:
+        engine.step()
+        steps += 1
+    assert steps == 3 and long.num_uncomputed_tokens > 80  # 2, then 4 and 4 of the short prompt's 10
+    assert steps == prompt_run(96, 96, 10, 4, 16, 4).steps  # as the router counts it
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check_integrity()
 
 
 async def test_three_paths_give_the_same_greedy_output(
