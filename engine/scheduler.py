@@ -239,6 +239,9 @@ class Scheduler:
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
             n = min(seq.num_uncomputed_tokens, budget, long_slot.share(seq, prefill), chunk)
+            if n <= 0:  # a long prompt whose half of the step's last prompt token is none
+                self._reset(seq)
+                continue
             if not self.kv.allocate_slots(seq, n):
                 self._reset(seq)
                 break

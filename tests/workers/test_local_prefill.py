@@ -315,6 +315,34 @@ def test_a_short_prompt_starts_beside_a_long_one_under_a_cap_of_a_block(loaded: 
     engine.pool.check_integrity()
 
 
+def test_a_long_prompt_left_no_token_waits_and_the_short_one_beside_it_starts(loaded: LoadedModel) -> None:
+    """One prompt token a step beside two decodes, threshold 16: a 100-token prompt and a 10-token
+    one waiting together. The long one's half of that token is none, so it waits (no chunk of no
+    tokens reaches the model) while the short one takes the token every step (its last one, counted
+    with the decodes, leaves the long one its first). Every prompt finishes and the pool is whole."""
+    config = EngineConfig(
+        block_size=4, num_blocks=256, max_num_batched_tokens=64, prefill_tokens_while_decoding=1,
+        long_prefill_token_threshold=16,
+    )  # fmt: skip
+    engine = LLMEngine(loaded, config)
+    rng = random.Random(2)
+    join_decodes(engine, rng, 40, 40)
+    long = engine.add_request("long", random_prompt(rng, 100), GREEDY)
+    short = engine.add_request("short", random_prompt(rng, 10), GREEDY)
+    steps = 0
+    while short.num_output_tokens == 0:  # its 10 tokens, one a step (no chunk of none in between)
+        out = engine.schedule()
+        chunks = {i.seq.request_id: i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk}
+        assert chunks["short"] == 1 and chunks.get("long", 1) == 1, chunks
+        engine.finish_step(out, engine.execute(out))
+        steps += 1
+    assert steps == 10 and long.num_computed_tokens <= 1  # its last one counts with the decodes
+    while engine.has_unfinished():
+        engine.step()
+    assert long.num_output_tokens == short.num_output_tokens == 8
+    engine.pool.check_integrity()
+
+
 async def test_three_paths_give_the_same_greedy_output(
     cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
 ) -> None:
