@@ -50,8 +50,9 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
                + half its decode step while it runs any, and half a long prompt's chunk in it (the
                step in flight, waited out)
     prompt(n, k) = n x its prompt cost a token + k x its prompt base
-    (while it runs nothing, no decode rides in its steps: local_ms is then its estimate as a
-    prefill worker's above, at its whole-step cost)
+    (a decode step a step even while it runs nothing: a step of prompt alone pays the same fixed
+    part, the weights read once, and D's whole-step fit, polluted by its decode steps, priced an idle
+    D's chat above what it took; tried in session 26, not kept)
     spare = its step token budget - its running sequences (one decode token each per step), at most
             its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
 
@@ -277,8 +278,6 @@ class Router:
         cached = self.cached_tokens(decode, token_ids, hashes)
         own = len(token_ids) - cached
         work = load.queued_tokens + decode.pending_tokens + own
-        if not load.running_requests:  # no decodes in its steps: priced as a prefill worker's
-            return LocalEstimate(self.prefill_ms(decode, own), cached, spare, work, own)
         run = self.prompt_run(decode, own, spare)  # what runs before it: D's own order, as P's
         in_flight = _step_in_flight_ms(decode)  # the step under way, and a long prompt's chunk in it
         if run.in_flight_tokens:

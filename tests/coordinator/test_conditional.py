@@ -304,25 +304,3 @@ def test_a_chat_on_the_decode_worker_is_priced_before_the_document_prefilling_th
     fifo = pool.router.place(chat)  # no threshold on D: the chat waits for the document's tokens
     assert fifo is not None and fifo.path == REMOTE
     assert fifo.local_ttft_ms == pytest.approx(1064 + 40 * 2.0 + 40 * 15.0 + 7.5)
-
-
-def test_an_idle_decode_worker_prices_a_prompt_as_a_prefill_worker_would(served_model: ServedModel) -> None:
-    """Nothing runs on D: its steps carry no decode, so a chat's local estimate is its prompt at D's
-    whole-step cost (64 x 1.25 ms and one 5 ms step), as P's is, and P's path adds the transfer: the
-    chat skips the hop. With one request decoding on D every step of it carries a 15 ms decode step,
-    and the chat is joined after half the one in flight: P's path is then the sooner."""
-    pool = Pool(served_model, RoutingPolicy("conditional"))
-    pool.add("p", "prefill")
-    pool.add("d", "decode", num_blocks=1000)
-    cost = {"us_per_token": 1250.0, "step_base_ms": 5.0, "step_token_budget": 2048}
-    pool.report("p", **cost)
-    pool.report("d", decode_step_ms=15.0, kv_transfer_ms=3.0, **cost)
-    placement = pool.router.place(list(range(64)))
-    assert placement is not None and placement.path == LOCAL
-    assert placement.local_ttft_ms == pytest.approx(80 + 5.0)
-    assert placement.remote_ttft_ms == pytest.approx(80 + 5.0 + 3.0)
-    pool.report("d", decode_step_ms=15.0, kv_transfer_ms=3.0, running_requests=1, **cost)
-    placement = pool.router.place(list(range(64)))
-    assert placement is not None and placement.path == REMOTE
-    assert placement.local_ttft_ms == pytest.approx(80 + 15.0 + 7.5)
-    assert placement.remote_ttft_ms == pytest.approx(80 + 5.0 + 3.0 + 7.5)

@@ -86,8 +86,7 @@ def test_the_projection_uses_the_prefill_budget_d_applies_beside_decodes(served_
     """D reports --prefill-tokens-while-decoding 8: with 8 decodes running, the local prefill gets 8
     tokens a step (not the 56 the budget leaves), so its TTFT counts 4 steps for 32 tokens (after half
     the step in flight) and a
-    request with 2 tokens to go sees 2 x 8 of them; with nothing running the cap does not apply, and
-    no decode step rides in its one step."""
+    request with 2 tokens to go sees 2 x 8 of them; with nothing running the cap does not apply."""
     pool = guarded_pool(served_model, p_queued=200_000)
     pool.report("d", us_per_token=1000.0, decode_step_ms=20.0, prefill_tokens_while_decoding=8, **D_LOAD)
     placement = pool.router.place(SHORT, lambda wid: running(1, 2, 2))
@@ -95,17 +94,10 @@ def test_the_projection_uses_the_prefill_budget_d_applies_beside_decodes(served_
     assert placement.local_ttft_ms == pytest.approx(32 * 1.0 + 4 * 20.0 + 10.0)
     assert placement.local_tpot_ms == pytest.approx(20.0 + 2 * 8 * 1.0)
     idle = {**D_LOAD, "running_requests": 0}
-    pool.report(
-        "d",
-        us_per_token=1000.0,
-        decode_step_ms=20.0,
-        step_base_ms=5.0,
-        prefill_tokens_while_decoding=8,
-        **idle,
-    )
+    pool.report("d", us_per_token=1000.0, decode_step_ms=20.0, prefill_tokens_while_decoding=8, **idle)
     alone = pool.router.place(SHORT)
     assert alone is not None and alone.decode_spare_tokens == 64
-    assert alone.local_ttft_ms == pytest.approx(32 * 1.0 + 5.0)  # idle: one step of prompt alone
+    assert alone.local_ttft_ms == pytest.approx(32 * 1.0 + 20.0)  # idle: no step in flight to wait out
 
 
 def test_the_increment_guard_refuses_only_what_pushes_a_request_over(served_model: ServedModel) -> None:
