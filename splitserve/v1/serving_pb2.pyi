@@ -1149,9 +1149,10 @@ class RoutingDecision(_message.Message):
     milliseconds; 0 when no prefill worker was considered.
     """
     local_ttft_ms: _builtins.float
-    """The decode worker's estimate for prefilling itself: (its queued prefill + the uncached tokens) x
-    its per-token cost + one decode step per chunk of its spare step budget, milliseconds; 0 when not
-    considered (disaggregation always, or no spare budget).
+    """The decode worker's estimate for prefilling itself: the prompt tokens it computes until this
+    prompt is done, in its scheduler's order (a short prompt before a long one it is prefilling), x
+    its per-token cost beside decodes + one decode step per step of its spare step budget, and the
+    step in flight, milliseconds; 0 when not considered (disaggregation always, or no spare budget).
     """
     transfer_ms: _builtins.float
     """The KV transfer estimate included in remote_ttft_ms (the decode worker's measured average)."""
