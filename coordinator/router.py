@@ -28,9 +28,8 @@ prompt tokens), and its chunk of up to T fills the steps without them. With t = 
     short prompt (n <= T): steps = ceil((short queued + n + B) / per_step), computing those short
         tokens plus the long prompt's share of them: B in the step the prompt joins, then half what
         the short ones leave of their last step, up to B (B is 0 once no long work is queued), after
-        half the long prompt's chunk in flight
-        (step_base + min(long queued, t) x cost_per_token: a prompt arriving during a step waits
-        out the rest)
+        half the long prompt's chunk in flight (step_base + min(long queued, t) x cost_per_token: a
+        prompt arriving during a step waits out the rest)
     long prompt:           the short queued tokens' steps as above, then the rest of all of them
         at t a step (every queued short prompt runs first)
 
@@ -68,8 +67,9 @@ every prompt a prefill worker takes delays the long prompts queued behind it;
 `always` never prefills on a decode worker; `never` always does.
 
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): all its prompt
-work (`work`: queued, placed since, and this prompt's uncached tokens), in whatever order, lands in its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A
-running request with `r` output tokens left of `n` sees the part of it computed in its remaining
+work (`work`: queued, placed since, and this prompt's uncached tokens), in whatever order, lands in
+its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A running
+request with `r` output tokens left of `n` sees the part of it computed in its remaining
 steps, `prompt(min(work, r x spare))`, spread over its `n - 1` inter-token gaps:
 
     projected_tpot = max over running requests of  step + prompt(min(work, r x spare)) / (n - 1)

@@ -173,6 +173,12 @@ class Scheduler:
         self.running.append(seq)
         self.kv.cache_computed_blocks(seq)
 
+    def prompt_tokens_left(self) -> list[int]:
+        """Each queued or running prompt's tokens still to compute (a running decode's one token is
+        not prompt work): what the worker reports as its queue and the router counts."""
+        running = (s.num_uncomputed_tokens for s in self.running)
+        return [s.num_uncomputed_tokens for s in self.waiting] + [n for n in running if n > 1]
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 

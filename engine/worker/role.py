@@ -260,9 +260,7 @@ class WorkerRole:
 
     def load(self) -> serving_pb2.WorkerLoad:
         sched, config = self.engine.scheduler, self.engine.config
-        prompt_left = [s.num_uncomputed_tokens for s in sched.waiting]
-        prefilling = (s.num_uncomputed_tokens for s in sched.running)
-        prompt_left += [n for n in prefilling if n > 1]  # a decode's one token is not prefill work
+        prompt_left = sched.prompt_tokens_left()
         threshold = config.long_prefill_token_threshold
         beside_base_ms, beside_ms_per_token = sched.prompt_cost
         return serving_pb2.WorkerLoad(

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from coordinator.router import prompt_run
-from engine.config import EngineConfig, prefill_budget
+from engine.config import EngineConfig, long_prompt, prefill_budget
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
 from engine.sampling_params import SamplingParams
@@ -268,11 +268,10 @@ def test_the_router_prices_a_short_prompt_on_the_decode_worker_in_its_schedulers
     sched = engine.scheduler
     shorts, predicted = [], []
     for i in range(3):  # each priced against the queue it joins, as the worker reports it
-        left = [
-            s.num_uncomputed_tokens for s in [*sched.waiting, *sched.running] if s.num_uncomputed_tokens > 1
-        ]
+        left = sched.prompt_tokens_left()
         spare = prefill_budget(64, sched.prompt_tokens_while_decoding(), len(sched.running))
-        predicted.append(prompt_run(sum(left), sum(n for n in left if n > 16), 14, spare, 16, 4))
+        long_left = sum(n for n in left if long_prompt(16, n))
+        predicted.append(prompt_run(sum(left), long_left, 14, spare, 16, 4))
         shorts.append(engine.add_request(f"s{i}", random_prompt(rng, 14), GREEDY))
     long_before, steps = long.num_uncomputed_tokens, 0
     for i, (short, run) in enumerate(zip(shorts, predicted, strict=True)):
