@@ -37,8 +37,10 @@ from coordinator.admission_queue import AdmissionQueue
 from coordinator.errors import RpcError, invalid, unavailable
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import EndEvent, RequestRecord, RequestState, RequestTable
-from coordinator.router import Placement, Router, RunningDecode
+from coordinator.router import LOCAL, REMOTE, Placement, Router, RunningDecode
+from coordinator.ttft_calibration import TtftProbe
 from coordinator.workers import WorkerRegistry
+from engine.config import long_prompt
 from splitserve import wire
 from splitserve.control import envelope
 from splitserve.v1 import control_pb2
@@ -175,6 +177,7 @@ class Dispatcher:
         record.decode_worker = placement.decode.worker_id
         self.router.commit(placement)
         record.stats.routing = placement.routing()
+        record.ttft_probe = self._probe(record, placement)
         self.metrics.placements.labels(placement.decision).inc()
         request = record.admitted.execution_request(record.rid, record.generation, record.output_token_ids)
         record.dispatched = request
@@ -205,12 +208,25 @@ class Dispatcher:
             envelope(decode=control_pb2.Decode(request=request, prefill=prefill_endpoint)),
         )
 
+    @staticmethod
+    def _probe(record: RequestRecord, placement: Placement) -> TtftProbe | None:
+        """A probe of the estimate for a long prompt's first token (coordinator/ttft_calibration.py),
+        on the remote and local paths of a request that has streamed nothing yet, from a worker that
+        has fitted its own step cost (a borrowed or default cost's miss is not what the factor is for)."""
+        worker = placement.prefill
+        if record.output_token_ids or placement.path not in (REMOTE, LOCAL) or worker.load.step_base_ms <= 0:
+            return None
+        if not long_prompt(worker.load.long_prefill_token_threshold, placement.uncached_tokens):
+            return None
+        return TtftProbe(worker, placement.path, placement.estimated_ttft_ms / placement.ttft_factor)
+
     def _reassign(self, record: RequestRecord, decode_id: str) -> None:
         decode = self.registry.get(decode_id)
         prefill = self.registry.get(record.prefill_worker or "")
         assert decode is not None and prefill is not None
         record.state = RequestState.RUNNING
         record.decode_worker = decode_id
+        record.ttft_probe = None  # its first token now waits for a second decode worker
         request = record.dispatched
         assert request is not None and request.generation == record.generation
         self.router.commit_decode(decode, self._num_tokens(record))

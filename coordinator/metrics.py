@@ -54,6 +54,14 @@ class CoordinatorMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.long_prompt_ttft_ratio = Histogram(
+            "splitserve_coordinator_long_prompt_ttft_ratio",
+            "Long prompts (over the worker's --long-prefill-token-threshold): observed / estimated time "
+            "from placement to first token, by decision (the router corrects its estimates by it).",
+            ["decision"],
+            buckets=(0.25, 0.5, 0.75, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0),
+            registry=r,
+        )
         self.tpot = Histogram(
             "splitserve_coordinator_tpot_seconds",
             "Per request: (last token - first token) / (output tokens - 1).",

@@ -37,6 +37,7 @@ from coordinator.admission import AdmittedRequest
 from coordinator.auth import Principal
 from coordinator.errors import RpcError, clip
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.ttft_calibration import TtftProbe
 from splitserve.v1 import control_pb2, serving_pb2
 from splitserve.wire import ids_array, unpack_ids
 
@@ -115,6 +116,7 @@ class RequestRecord:
     held: list[control_pb2.Tokens] = field(default_factory=list)  # see Outcome.HELD
     parked: TokenEvent | None = None  # see the module doc
     ended: bool = False
+    ttft_probe: TtftProbe | None = None  # the dispatcher's, fired when the first token streams
 
     @property
     def owners(self) -> list[str]:
@@ -181,6 +183,7 @@ class RequestTable:
         record.generation += 1
         record.prefill_done = record.decode_started = False
         record.held.clear()
+        record.ttft_probe = None
         return record.generation
 
     def end(self, record: RequestRecord, event: EndEvent | None = None) -> None:
@@ -201,8 +204,17 @@ class RequestTable:
 
     def _stream_parked(self, record: RequestRecord) -> None:
         if record.parked is not None:
-            record.events.put_nowait(record.parked)
+            self._stream(record, record.parked)
             record.parked = None
+
+    def _stream(self, record: RequestRecord, event: TokenEvent) -> None:
+        """Hand `event` to the record's stream; the first token fires the placement's probe."""
+        probe, record.ttft_probe = record.ttft_probe, None
+        if probe is not None and event.offset == 0:
+            ratio = probe.fire(time.monotonic())
+            decision = serving_pb2.PrefillPath.Name(probe.path).removeprefix("PREFILL_PATH_").lower()
+            self.metrics.long_prompt_ttft_ratio.labels(decision).observe(ratio)
+        record.events.put_nowait(event)
 
     def drop_late(self, why: str, rid: int) -> None:
         self.late_outputs_dropped += 1
@@ -268,7 +280,7 @@ class RequestTable:
         ):
             record.parked = event  # shipped: it streams when its decode worker starts on it
             return Outcome.ACCEPTED
-        record.events.put_nowait(event)
+        self._stream(record, event)
         if finish:
             self.end(record)
             return Outcome.FINISHED

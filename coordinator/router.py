@@ -59,6 +59,11 @@ where the prompt cost a token and base are what D reports of prompt tokens *besi
 (`prompt_beside_decodes_*`: the fit its own time cap uses, a fixed part per step that carries prompt
 tokens and a cost a token); before it has measured one, its whole-step cost_per_token and no base.
 
+A long prompt (over the worker's threshold T) is priced as counted times the worker's learned
+factor for that path, observed / estimated over its recent long prompts (coordinator/ttft_calibration.py):
+the count sees what is queued, not the short prompts that will go first while a long one prefills
+for seconds, nor the decodes they add to its steps.
+
 `conditional` takes the local path when it is cheaper and the uncached prompt is at most
 `local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core),
 and, with `local_first_ttft_ms` > 0, also whenever local_ms is within it: a short prompt then
@@ -88,6 +93,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from coordinator.routing_policy import RoutingPolicy
+from coordinator.ttft_calibration import long_ttft_factor
 from coordinator.workers import COLOCATED, DECODE, WorkerInfo, WorkerRegistry
 from engine.block_pool import hash_block
 from engine.config import long_prompt, prefill_budget
@@ -125,6 +131,8 @@ class Placement:
     decode_running: int = 0
     local_pushed_over: int = 0  # running requests the local prefill would push over the TPOT target
     local_first_ttft_ms: float = 0.0  # the policy's local-first bound the local estimate was held to
+    remote_ttft_factor: float = 1.0  # what remote_ttft_ms includes for a long prompt (ttft_calibration)
+    local_ttft_factor: float = 1.0  # the same for local_ttft_ms
 
     @property
     def colocated(self) -> bool:
@@ -152,7 +160,14 @@ class Placement:
             local_added_ms=self.local_added_ms,
             decode_running=self.decode_running,
             local_first_ttft_ms=self.local_first_ttft_ms,
+            remote_ttft_factor=self.remote_ttft_factor,
+            local_ttft_factor=self.local_ttft_factor,
         )
+
+    @property
+    def ttft_factor(self) -> float:
+        """The factor the chosen path's estimate includes (1: a short prompt, or none observed)."""
+        return self.local_ttft_factor if self.path == LOCAL else self.remote_ttft_factor
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,11 +190,12 @@ def no_decoding(worker_id: str) -> Sequence[RunningDecode]:
 class LocalEstimate:
     """A decode worker's estimate for prefilling a sequence itself."""
 
-    ttft_ms: float
+    ttft_ms: float  # as counted, times ttft_factor
     cached_tokens: int
     spare_tokens: int  # step budget its running decodes leave
     work_tokens: int  # its queued prefill + placed since + this sequence's uncached tokens
     own_tokens: int  # this sequence's uncached tokens
+    ttft_factor: float = 1.0  # a long prompt's correction (coordinator/ttft_calibration.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,7 +299,16 @@ class Router:
         if run.in_flight_tokens:
             in_flight += self.local_prompt_ms(decode, run.in_flight_tokens, 1) / 2
         ttft = self.local_prompt_ms(decode, run.tokens, run.steps) + run.steps * _decode_step_ms(decode)
-        return LocalEstimate(ttft + in_flight, cached, spare, work, own)
+        factor = self.long_ttft_factor(decode, own, LOCAL)
+        return LocalEstimate((ttft + in_flight) * factor, cached, spare, work, own, factor)
+
+    @staticmethod
+    def long_ttft_factor(worker: WorkerInfo, uncached: int, path: serving_pb2.PrefillPath.ValueType) -> float:
+        """What a prompt of `uncached` tokens' counted estimate on `worker` by `path` is multiplied by:
+        the worker's learned factor for a long prompt there, 1 for a short one."""
+        if long_prompt(worker.load.long_prefill_token_threshold, uncached):
+            return long_ttft_factor(worker, path)
+        return 1.0
 
     def local_prompt_ms(self, decode: WorkerInfo, tokens: int, steps: int) -> float:
         """What `tokens` of prompt over `steps` steps add to `decode`'s steps beyond its decodes: the
@@ -381,8 +406,9 @@ class Router:
         for worker in self.registry.ready():
             if worker.does_prefill:
                 ttft, cached = self.estimate_ttft(worker, token_ids, hashes)
-                options.append((ttft, worker.worker_id, worker, cached))
-        for ttft, _, prefill, cached in sorted(options, key=lambda o: (o[0], o[1])):
+                factor = self.long_ttft_factor(worker, len(token_ids) - cached, REMOTE)  # colocated: 1
+                options.append((ttft * factor, worker.worker_id, worker, cached, factor))
+        for ttft, _, prefill, cached, factor in sorted(options, key=lambda o: (o[0], o[1])):
             if prefill.role == COLOCATED:
                 fits = prefill.free_blocks_estimate >= blocks_for(len(token_ids), prefill.block_size)
                 decode = prefill if fits else None
@@ -396,11 +422,22 @@ class Router:
                 return Placement(prefill, decode, cached, uncached, ttft, needed, COLOCATED_PATH)
             transfer = decode.load.kv_transfer_ms
             queue_ms = self.compute_ms(prefill, prefill.load.queued_tokens + prefill.pending_tokens)
-            total = ttft + transfer
+            total = ttft + transfer * factor
             if self.policy.first_token_from == "decode":  # token 1 streams at D's next step boundary
-                total += _step_in_flight_ms(decode)
+                total += _step_in_flight_ms(decode) * factor
             return Placement(
-                prefill, decode, cached, uncached, total, needed, REMOTE, total, 0.0, transfer, queue_ms
+                prefill,
+                decode,
+                cached,
+                uncached,
+                total,
+                needed,
+                REMOTE,
+                total,
+                0.0,
+                transfer,
+                queue_ms,
+                remote_ttft_factor=factor,
             )
         return None
 
@@ -455,6 +492,8 @@ class Router:
             tpot.running,
             tpot.pushed_over,
             self.policy.local_first_ttft_ms,
+            remote.remote_ttft_factor if remote is not None else 1.0,
+            est.ttft_factor if est is not None else 1.0,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -549,6 +588,7 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         decode_running=local.decode_running,
         local_pushed_over=local.local_pushed_over,
         local_first_ttft_ms=local.local_first_ttft_ms,
+        local_ttft_factor=local.local_ttft_factor,
     )
 
 

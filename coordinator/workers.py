@@ -9,6 +9,7 @@ decode blocks and prefill tokens), so a burst of placements does not all land on
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -32,7 +33,7 @@ _LAYOUT_FIELDS = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim
 @dataclass(slots=True, eq=False)
 class WorkerInfo:
     """One registered worker incarnation. Created by `WorkerRegistry.add`; changed only by the registry
-    (reports) and the router (pending work it placed)."""
+    (reports) and the router (pending work it placed, how far its long prompts' estimates missed)."""
 
     register: control_pb2.Register
     last_seen: float
@@ -44,6 +45,8 @@ class WorkerInfo:
     pending_blocks: int = 0  # decode blocks placed here since the last report
     pending_tokens: int = 0  # uncached prefill tokens placed here since the last report
     pending_long_tokens: int = 0  # of those, prompts over its long_prefill_token_threshold
+    # path -> (when, observed / estimated) of its last long prompts' first tokens (ttft_calibration.py)
+    long_ttft_ratios: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = self.register.num_blocks

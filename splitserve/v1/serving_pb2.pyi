@@ -1139,6 +1139,8 @@ class RoutingDecision(_message.Message):
     LOCAL_ADDED_MS_FIELD_NUMBER: _builtins.int
     DECODE_RUNNING_FIELD_NUMBER: _builtins.int
     LOCAL_FIRST_TTFT_MS_FIELD_NUMBER: _builtins.int
+    REMOTE_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
+    LOCAL_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
     path: Global___PrefillPath.ValueType
     """The path taken."""
     estimated_ttft_ms: _builtins.float
@@ -1181,6 +1183,14 @@ class RoutingDecision(_message.Message):
     """The coordinator's --local-first-ttft-ms: conditional prefills on the decode worker whenever
     local_ttft_ms is within it, even where remote_ttft_ms is lower; 0 = off (the lower estimate decides).
     """
+    remote_ttft_factor: _builtins.float
+    """What remote_ttft_ms includes for a long prompt (over the prefill worker's
+    --long-prefill-token-threshold, where later short prompts go first): that worker's weighted mean
+    of observed / estimated first-token time over its recent long prompts; 1 for a short prompt and
+    before any observation.
+    """
+    local_ttft_factor: _builtins.float
+    """The same for local_ttft_ms: the decode worker's factor for its own long prompts."""
     def __init__(
         self,
         *,
@@ -1198,10 +1208,12 @@ class RoutingDecision(_message.Message):
         local_added_ms: _builtins.float = ...,
         decode_running: _builtins.int = ...,
         local_first_ttft_ms: _builtins.float = ...,
+        remote_ttft_factor: _builtins.float = ...,
+        local_ttft_factor: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_tpot_ms", b"local_tpot_ms", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,19 @@ def pool(served_model: ServedModel) -> Pool:
     return Pool(served_model)
 
 
+def document_on_p_pool(served_model: ServedModel) -> Pool:
+    """Conditional with prompts up to 2,048 tokens allowed on D: P prefilling a 1,000-token document
+    under threshold 256 (1.25 ms a token, 5 ms a step), D registered with 1,000 blocks, not reported."""
+    pool = Pool(served_model, RoutingPolicy("conditional", local_prefill_max_tokens=2048))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    pool.report(
+        "p", queued_tokens=1000, queued_long_tokens=1000, long_prefill_token_threshold=256,
+        step_token_budget=2048, step_base_ms=5.0, us_per_token=1250.0,
+    )  # fmt: skip
+    return pool
+
+
 def make_admitted(
     model: ServedModel, prompt: str = "hello world", request_id: str = "r", priority: int = 0, **params: Any
 ) -> AdmittedRequest:

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.loader import load_model
 from engine.sampling_params import SamplingParams
-from tests.coordinator.conftest import Pool
+from tests.coordinator.conftest import Pool, document_on_p_pool
 
 # D: 64 tokens a step, 8 running decodes (56 spare), 20 ms a decode step, 3 ms of exposed transfer
 DECODE_LOAD = {"step_token_budget": 64, "running_requests": 8, "decode_step_ms": 20.0, "kv_transfer_ms": 3.0}
@@ -276,13 +276,7 @@ def test_a_chat_on_the_decode_worker_is_priced_before_the_document_prefilling_th
     decodes and 15 ms each decode step, after the step in flight (half of 15 ms and half of a
     27-token chunk): 152 ms, not the 1.7 s of queueing behind the document's tokens. P, prefilling
     its own document under threshold 256, would take 278 ms: the chat stays on D."""
-    pool = Pool(served_model, RoutingPolicy("conditional", local_prefill_max_tokens=2048))
-    pool.add("p", "prefill")
-    pool.add("d", "decode", num_blocks=1000)
-    pool.report(
-        "p", queued_tokens=1000, queued_long_tokens=1000, long_prefill_token_threshold=256,
-        step_token_budget=2048, step_base_ms=5.0, us_per_token=1250.0,
-    )  # fmt: skip
+    pool = document_on_p_pool(served_model)
     document = {"queued_tokens": 1000, "queued_long_tokens": 1000, "long_prefill_token_threshold": 128}
     pool.report(
         "d", step_token_budget=512, running_requests=3, prefill_tokens_while_decoding=27,
