@@ -208,17 +208,20 @@ class Dispatcher:
             envelope(decode=control_pb2.Decode(request=request, prefill=prefill_endpoint)),
         )
 
-    @staticmethod
-    def _probe(record: RequestRecord, placement: Placement) -> TtftProbe | None:
+    def _probe(self, record: RequestRecord, placement: Placement) -> TtftProbe | None:
         """A probe of the estimate for a long prompt's first token (coordinator/ttft_calibration.py),
         on the remote and local paths of a request that has streamed nothing yet, from a worker that
-        has fitted its own step cost (a borrowed or default cost's miss is not what the factor is for)."""
-        worker = placement.prefill
-        if record.output_token_ids or placement.path not in (REMOTE, LOCAL) or worker.load.step_base_ms <= 0:
+        prices it by its own fit (a borrowed or default cost's miss is not what the factor is for)."""
+        worker, path = placement.prefill, placement.path
+        if (
+            record.output_token_ids
+            or path not in (REMOTE, LOCAL)
+            or not self.router.priced_by_own_fit(worker, path)
+        ):
             return None
         if not long_prompt(worker.load.long_prefill_token_threshold, placement.uncached_tokens):
             return None
-        return TtftProbe(worker, placement.path, placement.estimated_ttft_ms / placement.ttft_factor)
+        return TtftProbe(worker, path, placement.estimated_ttft_ms / placement.ttft_factor)
 
     def _reassign(self, record: RequestRecord, decode_id: str) -> None:
         decode = self.registry.get(decode_id)

@@ -303,6 +303,14 @@ class Router:
         return LocalEstimate((ttft + in_flight) * factor, cached, spare, work, own, factor)
 
     @staticmethod
+    def priced_by_own_fit(worker: WorkerInfo, path: serving_pb2.PrefillPath.ValueType) -> bool:
+        """Whether `worker`'s estimates on `path` come from its own fitted cost, not a borrowed or
+        default one: on the local path its fit of prompt tokens beside decodes or its step fit, on
+        the remote path its step fit (`cost_us_per_token`, `local_prompt_ms`)."""
+        load = worker.load
+        return load.step_base_ms > 0 or (path == LOCAL and load.prompt_beside_decodes_us_per_token > 0)
+
+    @staticmethod
     def long_ttft_factor(worker: WorkerInfo, uncached: int, path: serving_pb2.PrefillPath.ValueType) -> float:
         """What a prompt of `uncached` tokens' counted estimate on `worker` by `path` is multiplied by:
         the worker's learned factor for a long prompt there, 1 for a short one."""

@@ -13,6 +13,7 @@ from coordinator.dispatch import Dispatcher
 from coordinator.metrics import CoordinatorMetrics
 from coordinator.request_table import RequestState, RequestTable
 from coordinator.router import LOCAL, REMOTE
+from coordinator.routing_policy import RoutingPolicy
 from coordinator.served_model import ServedModel
 from coordinator.ttft_calibration import KEEP, MAX_RATIO, WINDOW_S, TtftProbe, long_ttft_factor
 from splitserve.v1 import control_pb2
@@ -150,3 +151,25 @@ def test_short_prompts_unfitted_workers_and_resumed_requests_arm_no_probe(served
     resumed.output_token_ids.extend([5, 6])  # streamed two tokens, then preempted
     dispatcher.resume(resumed, "preempted")  # its next first token is no first token: nothing to learn
     assert resumed.generation == 1 and resumed.state is RequestState.RUNNING and resumed.ttft_probe is None
+
+
+def test_a_local_placement_is_probed_once_the_decode_worker_prices_prompts_by_its_own_fit(
+    served_model: ServedModel,
+) -> None:
+    """D's step fit may have no slope (steps of one size: step base 0) while its fit of prompt
+    tokens beside decodes, which prices the local path, is measured: that is an own fit."""
+    pool = Pool(served_model, RoutingPolicy("never"))
+    pool.pair()
+    pool.report("d", step_token_budget=512, long_prefill_token_threshold=1, us_per_token=7500.0)
+    metrics = CoordinatorMetrics()
+    table = RequestTable(metrics, rid_start=0)
+    dispatcher = Dispatcher(table, pool.registry, pool.router, metrics, lambda *_: None, max_queue=4)
+    borrowed = dispatcher.submit(make_admitted(pool.model, request_id="borrowed"))
+    assert borrowed.stats.routing is not None and borrowed.stats.routing.path == LOCAL
+    assert borrowed.ttft_probe is None  # priced at its whole-step average: no fit of its own yet
+    pool.report(
+        "d", step_token_budget=512, long_prefill_token_threshold=1, us_per_token=7500.0,
+        prompt_beside_decodes_us_per_token=1000.0,
+    )  # fmt: skip
+    own = dispatcher.submit(make_admitted(pool.model, request_id="own"))
+    assert own.ttft_probe is not None and own.ttft_probe.path == LOCAL
