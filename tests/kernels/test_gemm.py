@@ -41,7 +41,7 @@ def test_matches_float32_matmul(n: int, k: int, with_bias: bool) -> None:
     gen = torch.Generator().manual_seed(n * 1000 + k)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
     bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
-    for m in (1, 2, 5, 6, 7, 8, 13, 37):  # one pass of up to six rows, then chunks split evenly
+    for m in (1, 2, 5, 6, 7, 8, 13, 37):  # one pass of up to six rows, then passes of six and the rest
         check(torch.randn(m, k, generator=gen).to(torch.bfloat16), w, bias)
 
 
