@@ -37,6 +37,7 @@ from coordinator.admission import AdmittedRequest
 from coordinator.auth import Principal
 from coordinator.errors import RpcError, clip
 from coordinator.metrics import CoordinatorMetrics
+from coordinator.router import decision_name
 from coordinator.ttft_calibration import TtftProbe
 from splitserve.v1 import control_pb2, serving_pb2
 from splitserve.wire import ids_array, unpack_ids
@@ -212,8 +213,7 @@ class RequestTable:
         probe, record.ttft_probe = record.ttft_probe, None
         if probe is not None and event.offset == 0:
             ratio = probe.fire(time.monotonic())
-            decision = serving_pb2.PrefillPath.Name(probe.path).removeprefix("PREFILL_PATH_").lower()
-            self.metrics.long_prompt_ttft_ratio.labels(decision).observe(ratio)
+            self.metrics.long_prompt_ttft_ratio.labels(decision_name(probe.path)).observe(ratio)
         record.events.put_nowait(event)
 
     def drop_late(self, why: str, rid: int) -> None:

@@ -108,6 +108,11 @@ REMOTE, LOCAL, COLOCATED_PATH = (
 )
 
 
+def decision_name(path: serving_pb2.PrefillPath.ValueType) -> str:
+    """`PREFILL_PATH_LOCAL` -> "local": a path as the `decision` metric labels and logs name it."""
+    return serving_pb2.PrefillPath.Name(path).removeprefix("PREFILL_PATH_").lower()
+
+
 @dataclass(frozen=True, slots=True)
 class Placement:
     """The router's choice for one request generation, with the numbers behind it (for logs and the
@@ -142,7 +147,7 @@ class Placement:
     @property
     def decision(self) -> str:
         """The path's name for logs and the `decision` metric label: remote, local or colocated."""
-        return serving_pb2.PrefillPath.Name(self.path).removeprefix("PREFILL_PATH_").lower()
+        return decision_name(self.path)
 
     def routing(self) -> serving_pb2.RoutingDecision:
         return serving_pb2.RoutingDecision(

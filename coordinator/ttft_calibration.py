@@ -12,12 +12,15 @@ A worker incarnation's factor for a path is the median of observed / estimated o
 `KEEP` long prompts there within `WINDOW_S`, padded with 1 (the count as it is) to `AGREE`
 observations: one stall alone (a cold start's first request, a neighbour's burst) moves nothing,
 two that agree do, and a factor that kept a worker's long prompts away expires instead of keeping
-them away for good. Each observation is clamped to [1/4, 4]. The dispatcher arms a `TtftProbe` when
-it places a long prompt of a request that has streamed nothing yet on a worker the router prices by
-its own fitted cost (`Router.priced_by_own_fit`; the estimate as counted, before the correction: a
-default cost's miss, 15x on a fresh prefill worker, is not this blind spot); the request table fires it when the first token streams (the held token's release
-under `--first-token-from decode`, a wait the estimate includes); a re-placement or a resume drops
-it. Kept in `WorkerInfo.long_ttft_ratios`, so a new registration starts afresh. Event loop only.
+them away for good. Each observation is clamped to [1/4, 4].
+
+The dispatcher arms a `TtftProbe` when it places a long prompt of a request that has streamed
+nothing yet on a worker the router prices by its own fitted cost (`Router.priced_by_own_fit`; a
+default cost's miss, 15x on a fresh prefill worker, is not this blind spot), with the estimate as
+counted, before the correction; the request table fires it when the first token streams (the held
+token's release under `--first-token-from decode`, a wait the estimate includes); a re-placement or
+a resume drops it. Kept in `WorkerInfo.long_ttft_ratios`, so a new registration starts afresh.
+Event loop only.
 """
 
 from __future__ import annotations

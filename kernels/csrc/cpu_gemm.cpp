@@ -124,15 +124,15 @@ torch::Tensor bf16_linear(torch::Tensor x, const torch::Tensor& packed, const c1
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t chunks = (m + MAX_ROWS - 1) / MAX_ROWS;  // full passes first: 8 rows run as 6 + 2
   at::parallel_for(0, (n + TILE - 1) / TILE, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t n0 = tile * TILE, registers = std::min(TILE, n - n0) / 16;
-      for (int64_t c = 0, r0 = 0; c < chunks; ++c) {
-        const int64_t r1 = std::min(m, r0 + MAX_ROWS);
-        tile_rows_for(r1 - r0, registers)(xp + r0 * ldx, ldx, wp + n0 * k, k / 2, bp ? bp + n0 : nullptr,
-                                          yp + r0 * n + n0, n);
-        r0 = r1;
+      // full passes first (8 rows run as 6 + 2): only the first pass's arithmetic hides under the
+      // weight stream from memory, the later ones read the tile from L2
+      for (int64_t r0 = 0; r0 < m; r0 += MAX_ROWS) {
+        const int64_t rows = std::min<int64_t>(MAX_ROWS, m - r0);
+        tile_rows_for(rows, registers)(xp + r0 * ldx, ldx, wp + n0 * k, k / 2, bp ? bp + n0 : nullptr,
+                                       yp + r0 * n + n0, n);
       }
     }
   });

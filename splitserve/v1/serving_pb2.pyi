@@ -1185,9 +1185,9 @@ class RoutingDecision(_message.Message):
     """
     remote_ttft_factor: _builtins.float
     """What remote_ttft_ms includes for a long prompt (over the prefill worker's
-    --long-prefill-token-threshold, where later short prompts go first): that worker's weighted mean
-    of observed / estimated first-token time over its recent long prompts; 1 for a short prompt and
-    before any observation.
+    --long-prefill-token-threshold, where later short prompts go first): the median of observed /
+    estimated first-token time over that worker's recent long prompts on this path
+    (coordinator/ttft_calibration.py); 1 for a short prompt and before two observations agree.
     """
     local_ttft_factor: _builtins.float
     """The same for local_ttft_ms: the decode worker's factor for its own long prompts."""
