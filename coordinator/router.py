@@ -58,6 +58,12 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
 where the prompt cost a token and base are what D reports of prompt tokens *beside its decodes*
 (`prompt_beside_decodes_*`: the fit its own time cap uses, a fixed part per step that carries prompt
 tokens and a cost a token); before it has measured one, its whole-step cost_per_token and no base.
+A decode worker that borrows the prefill workers' idle cores for its prompt steps (`--borrow-cores`,
+engine/worker/core_lease.py) reports the same fit over those steps (`prompt_on_borrowed_cores_*`);
+while no prefill worker has work (queued or placed since its report), a short prompt (by its
+threshold) is priced by that: the prefill workers' cores are then free for it (every one of them, so
+a decode worker's own lender is among them wherever the pools span hosts). A long prompt keeps the
+home fit: the decode worker computes it on its own cores (engine/worker/stepper.py).
 
 A long prompt (over the worker's threshold T) is priced as counted times the worker's learned
 factor for that path, observed / estimated over its recent long prompts (coordinator/ttft_calibration.py):
@@ -94,7 +100,7 @@ from dataclasses import dataclass, replace
 
 from coordinator.routing_policy import RoutingPolicy
 from coordinator.ttft_calibration import long_ttft_factor
-from coordinator.workers import COLOCATED, DECODE, WorkerInfo, WorkerRegistry
+from coordinator.workers import COLOCATED, DECODE, PREFILL, WorkerInfo, WorkerRegistry
 from engine.block_pool import hash_block
 from engine.config import long_prompt, prefill_budget
 from splitserve.v1 import serving_pb2
@@ -138,6 +144,7 @@ class Placement:
     local_first_ttft_ms: float = 0.0  # the policy's local-first bound the local estimate was held to
     remote_ttft_factor: float = 1.0  # what remote_ttft_ms includes for a long prompt (ttft_calibration)
     local_ttft_factor: float = 1.0  # the same for local_ttft_ms
+    local_on_borrowed_cores: bool = False  # local_ttft_ms priced by D's fit on borrowed cores
 
     @property
     def colocated(self) -> bool:
@@ -167,6 +174,7 @@ class Placement:
             local_first_ttft_ms=self.local_first_ttft_ms,
             remote_ttft_factor=self.remote_ttft_factor,
             local_ttft_factor=self.local_ttft_factor,
+            local_on_borrowed_cores=self.local_on_borrowed_cores,
         )
 
     @property
@@ -201,6 +209,7 @@ class LocalEstimate:
     work_tokens: int  # its queued prefill + placed since + this sequence's uncached tokens
     own_tokens: int  # this sequence's uncached tokens
     ttft_factor: float = 1.0  # a long prompt's correction (coordinator/ttft_calibration.py)
+    on_borrowed_cores: bool = False  # priced by its fit on borrowed cores (Router.on_borrowed_cores)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,12 +309,15 @@ class Router:
         own = len(token_ids) - cached
         work = load.queued_tokens + decode.pending_tokens + own
         run = self.prompt_run(decode, own, spare)  # what runs before it: D's own order, as P's
+        borrowed = self.on_borrowed_cores(decode, own)
         in_flight = _step_in_flight_ms(decode)  # the step under way, and a long prompt's chunk in it
         if run.in_flight_tokens:
-            in_flight += self.local_prompt_ms(decode, run.in_flight_tokens, 1) / 2
-        ttft = self.local_prompt_ms(decode, run.tokens, run.steps) + run.steps * _decode_step_ms(decode)
+            in_flight += self.local_prompt_ms(decode, run.in_flight_tokens, 1, borrowed) / 2
+        ttft = self.local_prompt_ms(decode, run.tokens, run.steps, borrowed) + run.steps * _decode_step_ms(
+            decode
+        )
         factor = self.long_ttft_factor(decode, own, LOCAL)
-        return LocalEstimate((ttft + in_flight) * factor, cached, spare, work, own, factor)
+        return LocalEstimate((ttft + in_flight) * factor, cached, spare, work, own, factor, borrowed)
 
     @staticmethod
     def priced_by_own_fit(worker: WorkerInfo, path: serving_pb2.PrefillPath.ValueType) -> bool:
@@ -323,16 +335,35 @@ class Router:
             return long_ttft_factor(worker, path)
         return 1.0
 
-    def local_prompt_ms(self, decode: WorkerInfo, tokens: int, steps: int) -> float:
+    def local_prompt_ms(self, decode: WorkerInfo, tokens: int, steps: int, borrowed: bool = False) -> float:
         """What `tokens` of prompt over `steps` steps add to `decode`'s steps beyond its decodes: the
         fit it reports of prompt tokens beside decodes (a fixed part per step that carries any, and a
-        cost a token); before it has one, its whole-step cost a token and no fixed part."""
+        cost a token); before it has one, its whole-step cost a token and no fixed part. `borrowed`
+        (`on_borrowed_cores`): the fit of its steps on borrowed cores."""
         load = decode.load
+        if borrowed:
+            return (
+                tokens * load.prompt_on_borrowed_cores_us_per_token / 1e3
+                + steps * load.prompt_on_borrowed_cores_base_ms
+            )
         if load.prompt_beside_decodes_us_per_token <= 0:
             return tokens * self.cost_us_per_token(decode) / 1e3
         return (
             tokens * load.prompt_beside_decodes_us_per_token / 1e3
             + steps * load.prompt_beside_decodes_base_ms
+        )
+
+    def on_borrowed_cores(self, decode: WorkerInfo, uncached: int) -> bool:
+        """Whether `decode` prefills a prompt of `uncached` tokens on borrowed cores (module doc): it
+        reports a fit of such steps, the prompt is short by its threshold, and no READY prefill
+        worker has prompt work, reported or placed since (their cores are free)."""
+        load = decode.load
+        if load.prompt_on_borrowed_cores_us_per_token <= 0:
+            return False
+        if long_prompt(load.long_prefill_token_threshold, uncached):
+            return False
+        return not any(
+            w.load.queued_tokens + w.pending_tokens for w in self.registry.ready() if w.role == PREFILL
         )
 
     def estimate_tpot(
@@ -507,6 +538,7 @@ class Router:
             self.policy.local_first_ttft_ms,
             remote.remote_ttft_factor if remote is not None else 1.0,
             est.ttft_factor if est is not None else 1.0,
+            est is not None and est.on_borrowed_cores,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -602,6 +634,7 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         local_pushed_over=local.local_pushed_over,
         local_first_ttft_ms=local.local_first_ttft_ms,
         local_ttft_factor=local.local_ttft_factor,
+        local_on_borrowed_cores=local.local_on_borrowed_cores,
     )
 
 

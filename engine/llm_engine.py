@@ -88,6 +88,8 @@ class LLMEngine:
         self.step_cost = StepCost(EMA_WEIGHT, cold_steps=0)  # all tokens -> step ms: the router's fit
         self.decode_step_ms = 0.0  # a step without prompt work, moving average
         self._prompt_cost = StepCost(EMA_WEIGHT, cold_steps=0)  # prompt tokens -> the ms they add
+        # the same over steps run on borrowed cores (engine/worker/core_lease.py), kept apart
+        self.borrowed_prompt_cost = StepCost(EMA_WEIGHT, cold_steps=0)
         self._cold_steps = _COLD_STEPS
         log.info(
             "engine ready",
@@ -195,19 +197,25 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def _observe_cost(self, out: SchedulerOutput, ms: float) -> None:
+    def _observe_cost(self, out: SchedulerOutput, ms: float, widened: bool) -> None:
         """The step costs the engine keeps: `step_cost`, the fit over every step's tokens the router
         prices prompts by (its workers report it); `decode_step_ms`, a moving average of steps without
         prompt work; and the scheduler's `prompt_cost` (its `prefill_ms_while_decoding` cap), what the
         prompt tokens of the other steps added beyond that, fitted as fixed + tokens x per-token
         (`StepCost`: the first prompt tokens of a step cost a few ms more than later ones, and an
         average per token would charge that to every token, shrinking the cap step by step to one
-        token). The first `_COLD_STEPS` are left out."""
+        token). A `widened` step (run on borrowed cores beside this worker's own) feeds only
+        `borrowed_prompt_cost`, the same prompt fit, so the home fits (and the time cap they size)
+        keep what this worker's own cores do. The first `_COLD_STEPS` are left out."""
         if self._cold_steps > 0:
             self._cold_steps -= 1
             return
-        self.step_cost.observe(out.num_tokens, ms)
         prompt = sum(item.num_new_tokens for item in out.scheduled if item.is_prompt_chunk)
+        if widened:
+            if prompt and self.decode_step_ms > 0:
+                self.borrowed_prompt_cost.observe(prompt, ms - self.decode_step_ms)
+            return
+        self.step_cost.observe(out.num_tokens, ms)
         if not prompt:
             self.decode_step_ms = ema(self.decode_step_ms, ms)
         elif self.decode_step_ms > 0:
@@ -239,12 +247,13 @@ class LLMEngine:
         return self.runner.execute(out)
 
     def finish_step(
-        self, out: SchedulerOutput, result: StepResult, seconds: float | None = None
+        self, out: SchedulerOutput, result: StepResult, seconds: float | None = None, widened: bool = False
     ) -> list[StepOutput]:
         """Last part of `step`, on the owning thread: advance the sequences and report their outputs.
-        `seconds` (the step's `execute` time; None: not timed) feeds the step costs."""
+        `seconds` (the step's `execute` time; None: not timed) feeds the step costs; `widened`: the
+        step ran on borrowed cores too."""
         if seconds is not None:
-            self._observe_cost(out, seconds * 1e3)
+            self._observe_cost(out, seconds * 1e3, widened)
         finished = set(self.scheduler.update(out, result.sampled))
         self.stats.steps += 1
         self.stats.tokens_computed += out.num_tokens

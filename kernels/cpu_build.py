@@ -8,7 +8,12 @@ import hashlib
 from pathlib import Path
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ["cpu_kernels.cpp", "cpu_gemm.cpp", "cpu_prefill_attention.cpp"]  # relative to CSRC
+SOURCES = [
+    "cpu_kernels.cpp",
+    "cpu_gemm.cpp",
+    "cpu_prefill_attention.cpp",
+    "cpu_threads.cpp",
+]  # relative to CSRC
 HEADERS = ["lanes.h"]  # included by the sources: in the digest, never compiled alone
 # torch.backends.cpu.get_cpu_capability() names ("AVX512", "AVX2", "DEFAULT") -> compiler flags
 ISA_FLAGS: dict[str, list[str]] = {

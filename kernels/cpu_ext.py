@@ -11,7 +11,8 @@ is set, ``load()`` returns ``None`` after one warning and every caller runs the 
 Kernels here (float32 and bfloat16), each the CPU twin of a Triton kernel or a torch reference with
 its semantics: ``paged_decode_attention`` (bfloat16 on AVX512-BF16 CPUs by its own kernel, reported by
 ``has_bf16_dot()``), ``write_kv_slots``, the elementwise steps of ``kernels.fused`` and, on
-AVX512-BF16 CPUs, the bfloat16 GEMM of ``kernels.gemm``.
+AVX512-BF16 CPUs, the bfloat16 GEMM of ``kernels.gemm``; beside them ``place_team``, which sizes the
+calling thread's OpenMP team and binds each of its threads to CPUs (engine/worker/core_lease.py).
 """
 
 from __future__ import annotations

@@ -112,6 +112,15 @@ class ClusterSpec:
     insecure_control_plane: bool = False  # plaintext control plane (else ephemeral CURVE keys)
     cpus: dict[str, tuple[int, ...]] = field(default_factory=dict)  # role -> CPU set (splitserve.placement)
     threads: dict[str, int] = field(default_factory=dict)  # role -> torch threads (OMP_NUM_THREADS)
+    # the prefill workers lend their pinned CPUs while idle; the decode workers borrow them for prompt
+    # steps (engine/worker/core_lease.py); needs cpus["prefill"], ignored by colocated clusters
+    share_idle_cores: bool = False
+
+    def __post_init__(self) -> None:
+        if self.share_idle_cores and not self.cpus.get("prefill"):
+            raise ValueError(
+                "sharing idle cores needs the prefill workers pinned (--pin prefill=CPUS): their CPUs are lent"
+            )
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(role, worker id) of every worker, in start order; each id starts with its role."""
@@ -135,6 +144,7 @@ class LocalCluster:
         self.keys: KeySet | None = None
         self._logs: list[IO[str]] = []
         self._worker_common: list[str] = []  # every worker's args (set by start)
+        self._lease_dir: Path | None = None  # the core leases of share_idle_cores (set by start)
 
     @property
     def coordinator(self) -> RoleProcess:
@@ -215,6 +225,8 @@ class LocalCluster:
                 "--dtype",
                 s.dtype,
             ]
+            if s.share_idle_cores and s.mode != "colocated":
+                self._lease_dir = Path(tempfile.mkdtemp(prefix="splitserve-cores-"))  # 0700
             # workers load their models in parallel
             pending = [self._launch_worker(role, wid, worker_security[wid]) for role, wid in s.worker_ids()]
             for proc, lines in pending:
@@ -251,8 +263,19 @@ class LocalCluster:
             command += ["--long-prefill-token-threshold", str(threshold)]
         extra = self.spec.prefill_args if role == "prefill" else self.spec.decode_args
         return self._launch(
-            role, wid, [*command, *self._worker_common, "--worker-id", wid, *security, *extra]
+            role,
+            wid,
+            [*command, *self._worker_common, "--worker-id", wid, *security, *self._core_args(role), *extra],
         )
+
+    def _core_args(self, role: str) -> list[str]:
+        """A worker's core-lease flags: prefill workers lend, decode workers borrow the prefill CPUs."""
+        if self._lease_dir is None or role not in ("prefill", "decode"):
+            return []
+        lease = ["--core-lease-dir", str(self._lease_dir)]
+        if role == "prefill":
+            return ["--lend-cores", *lease]
+        return ["--borrow-cores", "+".join(map(str, self.spec.cpus["prefill"])), *lease]
 
     def _spawn(self, role: str, name: str, args: list[str]) -> RoleProcess:
         proc, lines = self._launch(role, name, [role, *args])
@@ -315,4 +338,6 @@ class LocalCluster:
         self._logs.clear()
         if self.keys is not None:
             shutil.rmtree(self.keys.root, ignore_errors=True)
+        if self._lease_dir is not None:
+            shutil.rmtree(self._lease_dir, ignore_errors=True)
         return codes

@@ -58,6 +58,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         default={},
         help="torch threads per worker: N for every role, or e.g. prefill=1,decode=1",
     )
+    parser.add_argument(
+        "--share-idle-cores",
+        action="store_true",
+        help="the decode workers also run their prompt steps on the prefill workers' CPUs while those "
+        "are idle (needs --pin prefill=CPUS; not for --mode colocated)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +96,7 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         insecure_control_plane=bool(args.insecure_control_plane),
         cpus=dict(args.pin),
         threads=dict(args.threads),
+        share_idle_cores=args.share_idle_cores,
     )
 
 

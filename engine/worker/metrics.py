@@ -49,6 +49,18 @@ class WorkerMetrics:
             buckets=_STEP_BUCKETS,
             registry=r,
         )
+        # core leases (engine/worker/core_lease.py)
+        self.borrowed_core_steps = Counter(
+            "splitserve_worker_borrowed_core_steps",
+            "Prompt steps run on borrowed cores beside this worker's own (--borrow-cores)",
+            registry=r,
+        )
+        self.core_claim_seconds = Histogram(
+            "splitserve_worker_core_claim_seconds",
+            "Wait to take this worker's cores back from a borrower before computing (--lend-cores)",
+            buckets=_STEP_BUCKETS,
+            registry=r,
+        )
         # `transport`: what carried the bytes (kvtransfer.lanes.transport_label: ucx:cma, ucx:tcp,
         # ucx:tcp-lo, tcp, ...), so a silent fallback shows on a dashboard.
         self.transfer_bytes = Counter(

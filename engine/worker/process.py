@@ -21,12 +21,14 @@ import structlog
 
 from engine.llm_engine import LLMEngine
 from engine.loader import LoadedModel
+from engine.worker.core_lease import CoreLeases
 from engine.worker.metrics import HealthServer, WorkerMetrics
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.runtime import RegistrationError, WorkerControl
 from engine.worker.settings import WorkerSettings, settings_from_args
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
+from kernels import cpu_ext
 from kvtransfer import staging
 from splitserve.control_auth import ControlKeyError
 from splitserve.heap import freeze_heap
@@ -58,7 +60,7 @@ class Worker:
             self.metrics.kv_cache_huge_page_share.set(share)
         staging_pool = staging.pool_for(self.engine.runner.kv_cache)
         self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
-        self.stepper = StepLoop(self.engine, self.metrics)
+        self.stepper = StepLoop(self.engine, self.metrics, _core_leases(settings))
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
         self.control: WorkerControl | None = None
@@ -216,3 +218,23 @@ async def _main(settings: WorkerSettings, role_class: type[WorkerRole]) -> int:
         return 1
     log.info("stopped")
     return 0
+
+
+def _core_leases(settings: WorkerSettings) -> CoreLeases | None:
+    """The worker's core leases, where it lends or borrows cores (--lend-cores, --borrow-cores)."""
+    if not (settings.lend_cores or settings.borrow_cores):
+        return None
+    kernels = cpu_ext.load()
+    leases = CoreLeases(
+        settings.core_lease_dir,
+        lend=settings.lend_cores,
+        borrow=settings.borrow_cores,
+        place_team=getattr(kernels, "place_team", None),
+    )
+    log.info(
+        "core leases",
+        directory=settings.core_lease_dir,
+        lends=leases.home if leases.lends else [],
+        borrows=settings.borrow_cores if leases.borrows else (),
+    )
+    return leases

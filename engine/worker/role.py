@@ -276,6 +276,8 @@ class WorkerRole:
             decode_step_ms=self.engine.decode_step_ms,
             prompt_beside_decodes_us_per_token=beside_ms_per_token * 1e3,
             prompt_beside_decodes_base_ms=beside_base_ms,
+            prompt_on_borrowed_cores_us_per_token=self.engine.borrowed_prompt_cost.us_per_token,
+            prompt_on_borrowed_cores_base_ms=self.engine.borrowed_prompt_cost.base_ms,
             prefix_cache_query_tokens=self.prefix_query_tokens,
             prefix_cache_hit_tokens=self.prefix_hit_tokens,
         )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import tempfile
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from engine.config import DTYPES, EngineConfig
 from engine.model_dir import MODEL_HELP
 from splitserve.argtypes import non_negative_float
 from splitserve.control_flags import WORKER_ID_PATTERN, add_control_security_arguments
+from splitserve.placement import parse_cpu_set
 
 ROLES = ("prefill", "decode", "colocated")
 TRANSFER_BACKENDS = ("ucx", "tcp", "nixl")  # nixl: the `nixl` extra
@@ -51,6 +53,11 @@ class WorkerSettings:
     control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
     coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
+    lend_cores: bool = False  # core leases (engine/worker/core_lease.py): lend this worker's CPUs while idle
+    borrow_cores: tuple[
+        int, ...
+    ] = ()  # ... and run prompt steps on these CPUs too while their leases are free
+    core_lease_dir: str = ""  # the host's lease files; "": <temp dir>/splitserve-<uid>-cores
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -84,6 +91,8 @@ class WorkerSettings:
             )
         if not self.served_model_name:
             self.served_model_name = default_served_name(self.model)
+        if not self.core_lease_dir:
+            self.core_lease_dir = os.path.join(tempfile.gettempdir(), f"splitserve-{os.getuid()}-cores")
 
     @property
     def pulls(self) -> bool:
@@ -238,6 +247,25 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         default=w["ucx_progress_mode"],
         help="hybrid: poll only while transfers are outstanding; thread: never spin (saves a core, slower)",
     )
+    a(
+        "--lend-cores",
+        action="store_true",
+        help="hold the leases of this worker's CPUs while it computes and lend them while it is idle "
+        "(to a worker on this host with --borrow-cores)",
+    )
+    a(
+        "--borrow-cores",
+        type=_cpu_set,
+        default=w["borrow_cores"],
+        help="CPUs (0, 0+2, 0-3) of a worker with --lend-cores on this host: steps that compute prompt "
+        "tokens also run there while it is idle",
+    )
+    a(
+        "--core-lease-dir",
+        default=w["core_lease_dir"],
+        help="directory of this host's core lease files, shared by the lending and borrowing workers "
+        "(mode 0700; default: <temp dir>/splitserve-UID-cores)",
+    )
     add_control_security_arguments(parser)
     a("--coordinator-public-key", default="", help="the coordinator's CurveZMQ public key file (NAME.key)")
     if with_mode:
@@ -249,6 +277,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
             help="push: the prefill worker sends the KV; pull: this worker reads it (UCX gets or NIXL "
             "READs: the ucx or nixl backend); auto: pull over ucx and nixl, push over tcp",
         )
+
+
+def _cpu_set(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_set(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc} (CPU sets look like 0, 0+2 or 0-3)") from None
 
 
 def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
@@ -292,4 +327,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         control_key=args.control_key,
         coordinator_public_key=args.coordinator_public_key,
         insecure_control_plane=bool(args.insecure_control_plane),
+        lend_cores=args.lend_cores,
+        borrow_cores=args.borrow_cores,
+        core_lease_dir=args.core_lease_dir,
     )

@@ -8,6 +8,11 @@ Only the event loop thread changes the engine (scheduler, KV manager, block pool
 handling messages (an Abort, a Reserved, a reservation) while a step runs. The one rule that makes this
 safe: a sequence the in-flight step computes is never freed mid-step; `release` defers it to the end
 of the step.
+
+With core leases (engine/worker/core_lease.py) the loop also lends and borrows cores: a lender claims
+its own cores before computing and lends them whenever it waits for work; a borrower runs each step
+that computes a short prompt's tokens on the free borrowed cores too, and gives them back as the step
+ends.
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ from typing import Protocol
 
 import structlog
 
+from engine.config import long_prompt
 from engine.llm_engine import LLMEngine, StepOutput
+from engine.runner import StepResult
 from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
+from engine.worker.core_lease import CoreLeases
 from engine.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
@@ -53,9 +61,10 @@ class StepHandler(Protocol):
 class StepLoop:
     """Runs `engine`'s steps until `stop()`. Created and driven by the worker; one per engine."""
 
-    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, leases: CoreLeases | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.leases = leases
         self.handler: StepHandler | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake = asyncio.Event()
@@ -91,37 +100,80 @@ class StepLoop:
             while not self._stopped:
                 self._wake.clear()  # cleared before looking, so a wake during the awaits below is kept
                 if not self.engine.has_unfinished():
-                    await self._wake.wait()  # idle: nothing to compute until a message brings work
+                    await self._idle()  # nothing to compute until a message brings work
                     continue
+                if self.leases is not None and self.leases.lends:
+                    self.metrics.core_claim_seconds.observe(await self.leases.claim())
                 out = self.engine.schedule()
                 if out.preempted:
                     await self._notify(self.handler.on_preempted(out.preempted))
                 if not out.scheduled:
                     # protects the pool: nothing fits until a release (held results, reservations) wakes us
-                    await self._wake.wait()
+                    await self._idle()
                     continue
                 await self._step(loop, out)
         finally:
             self._executor.shutdown(wait=True)
+            if self.leases is not None:
+                self.leases.close()
+
+    async def _idle(self) -> None:
+        """Wait for a wake; a lender's cores may be borrowed meanwhile."""
+        if self.leases is not None:
+            self.leases.lend()
+        await self._wake.wait()
 
     async def _step(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput) -> None:
         assert self.handler is not None
         self._in_flight = {item.seq for item in out.scheduled}
         await self._notify(self.handler.on_scheduled(out.scheduled))
+        borrowed = self._borrow(out)
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive
-            result = await loop.run_in_executor(self._executor, self.engine.execute, out)
+            result = await loop.run_in_executor(self._executor, self._execute, out, borrowed)
         except Exception as exc:
             log.exception("model step failed", sequences=len(out.scheduled))
             self._end_step()
             await self.handler.on_step_failed([item.seq for item in out.scheduled], exc)
             return
+        finally:
+            if borrowed and self.leases is not None:
+                self.leases.give_back()
         seconds = time.perf_counter() - start
-        outputs = self.engine.finish_step(out, result, seconds)
+        outputs = self.engine.finish_step(out, result, seconds, widened=bool(borrowed))
         self._end_step()
         self._account(out, seconds)
         await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
+
+    def _borrow(self, out: SchedulerOutput) -> list[int]:
+        """The borrowed CPUs `out` runs on beside this worker's own: free leases, for a step that
+        computes a short prompt's tokens (by `long_prefill_token_threshold`). Decode steps stay on
+        the home team, and so do steps of long prompts alone: those would hold the lender's cores
+        for seconds, and the short prompts arriving meanwhile would find both workers busy."""
+        if self.leases is None or not self.leases.borrows:
+            return []
+        threshold = self.engine.config.long_prefill_token_threshold
+        if not any(
+            item.is_prompt_chunk and not long_prompt(threshold, item.seq.num_prompt_tokens)
+            for item in out.scheduled
+        ):
+            return []
+        cpus = self.leases.borrow()
+        if cpus:
+            self.metrics.borrowed_core_steps.inc()
+        return cpus
+
+    def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> StepResult:
+        """On the step thread: the forward, on a team widened onto `borrowed` for this step only."""
+        if not borrowed:
+            return self.engine.execute(out)
+        assert self.leases is not None
+        self.leases.widen(borrowed)
+        try:
+            return self.engine.execute(out)
+        finally:
+            self.leases.narrow()
 
     async def _notify(self, call: Awaitable[None]) -> None:
         """Run a handler callback; its bug is logged, not fatal: the engine's state is already whole."""

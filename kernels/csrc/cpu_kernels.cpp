@@ -807,6 +807,7 @@ torch::Tensor apply_rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 
 void register_gemm(pybind11::module_& m);                // cpu_gemm.cpp
 void register_prefill_attention(pybind11::module_& m);  // cpu_prefill_attention.cpp
+void register_threads(pybind11::module_& m);            // cpu_threads.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("source_digest") = SPLITSERVE_STR(SPLITSERVE_SOURCE_DIGEST);
@@ -821,4 +822,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("write_kv_slots", &write_kv_slots, "store new keys/values at their slots, float32 or bfloat16, CPU");
   register_gemm(m);
   register_prefill_attention(m);
+  register_threads(m);
 }

@@ -280,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         "rates": args.rates,
         "pin": {k: list(v) for k, v in args.pin.items()},
         "threads": args.threads,
+        "share_idle_cores": args.share_idle_cores,
         "router_tpot_slo_ms": None if args.target else router_tpot,
         "router_tpot_guard": args.router_tpot_guard,
         "router_local_first_ttft_ms": args.router_local_first_ttft_ms,

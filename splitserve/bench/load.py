@@ -20,6 +20,7 @@ TIMING_FIELDS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_token_ms", "
 ROUTING_FIELDS = (
     "estimated_ttft_ms", "remote_ttft_ms", "local_ttft_ms", "transfer_ms", "prefill_queue_ms",
     "local_tpot_ms", "tpot_target_ms", "local_added_ms", "remote_ttft_factor", "local_ttft_factor",
+    "local_on_borrowed_cores",
 )  # fmt: skip
 
 

@@ -1141,6 +1141,7 @@ class RoutingDecision(_message.Message):
     LOCAL_FIRST_TTFT_MS_FIELD_NUMBER: _builtins.int
     REMOTE_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
     LOCAL_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
+    LOCAL_ON_BORROWED_CORES_FIELD_NUMBER: _builtins.int
     path: Global___PrefillPath.ValueType
     """The path taken."""
     estimated_ttft_ms: _builtins.float
@@ -1191,6 +1192,10 @@ class RoutingDecision(_message.Message):
     """
     local_ttft_factor: _builtins.float
     """The same for local_ttft_ms: the decode worker's factor for its own long prompts."""
+    local_on_borrowed_cores: _builtins.bool
+    """local_ttft_ms priced the prompt on the decode worker's borrowed cores (its --borrow-cores fit,
+    WorkerLoad.prompt_on_borrowed_cores_*): a short prompt while no prefill worker had work.
+    """
     def __init__(
         self,
         *,
@@ -1210,10 +1215,11 @@ class RoutingDecision(_message.Message):
         local_first_ttft_ms: _builtins.float = ...,
         remote_ttft_factor: _builtins.float = ...,
         local_ttft_factor: _builtins.float = ...,
+        local_on_borrowed_cores: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_on_borrowed_cores", b"local_on_borrowed_cores", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1521,6 +1527,8 @@ class WorkerLoad(_message.Message):
     QUEUED_LONG_TOKENS_FIELD_NUMBER: _builtins.int
     PROMPT_BESIDE_DECODES_US_PER_TOKEN_FIELD_NUMBER: _builtins.int
     PROMPT_BESIDE_DECODES_BASE_MS_FIELD_NUMBER: _builtins.int
+    PROMPT_ON_BORROWED_CORES_US_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    PROMPT_ON_BORROWED_CORES_BASE_MS_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1572,6 +1580,13 @@ class WorkerLoad(_message.Message):
     """The fixed part of that fit, milliseconds: what a step's first prompt token beside decodes adds
     beyond its per-token cost; 0 until measured.
     """
+    prompt_on_borrowed_cores_us_per_token: _builtins.float
+    """The same fit over the steps this worker ran on borrowed cores (--borrow-cores: another worker's
+    idle CPUs beside its own), microseconds a prompt token; 0 until one ran. The router prices a
+    decode worker's local prefill by it while no prefill worker has work queued.
+    """
+    prompt_on_borrowed_cores_base_ms: _builtins.float
+    """The fixed part of that fit, milliseconds; 0 until measured."""
     def __init__(
         self,
         *,
@@ -1590,10 +1605,12 @@ class WorkerLoad(_message.Message):
         queued_long_tokens: _builtins.int = ...,
         prompt_beside_decodes_us_per_token: _builtins.float = ...,
         prompt_beside_decodes_base_ms: _builtins.float = ...,
+        prompt_on_borrowed_cores_us_per_token: _builtins.float = ...,
+        prompt_on_borrowed_cores_base_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "prompt_on_borrowed_cores_base_ms", b"prompt_on_borrowed_cores_base_ms", "prompt_on_borrowed_cores_us_per_token", b"prompt_on_borrowed_cores_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -132,6 +132,37 @@ def test_the_time_cap_turns_the_measured_prompt_token_cost_into_tokens(loaded: L
     assert both.scheduler.prompt_tokens_while_decoding() == 1
 
 
+def test_steps_on_borrowed_cores_have_a_fit_of_their_own(loaded: LoadedModel) -> None:
+    """A widened step (run on borrowed cores too) feeds only `borrowed_prompt_cost`: the home fits,
+    the time cap they size and the router's step fit keep what the worker's own cores do."""
+    config = EngineConfig(
+        block_size=4, num_blocks=128, max_num_batched_tokens=64, prefill_ms_while_decoding=12
+    )
+    engine = LLMEngine(loaded, config)
+    rng = random.Random(8)
+    join_decodes(engine, rng, 40, 40)
+
+    def timed_step(widened: bool) -> None:
+        out = engine.schedule()
+        prompt = sum(i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk)
+        ms = 10.0 + ((1.0 + 0.5 * prompt) if widened else (3.0 + 2.0 * prompt)) * bool(prompt)
+        engine.finish_step(out, engine.execute(out), ms / 1e3, widened=widened)
+
+    for _ in range(4):
+        timed_step(False)  # two cold steps, then the decode steps' 10 ms
+    home = (engine.step_cost.us_per_token, engine.step_cost.base_ms, engine.scheduler.prompt_cost)
+    for n in (20, 12):
+        engine.add_request(f"p{n}", random_prompt(rng, n), GREEDY)
+        timed_step(True)
+    assert (engine.step_cost.us_per_token, engine.step_cost.base_ms, engine.scheduler.prompt_cost) == home
+    assert engine.decode_step_ms == 10.0
+    assert engine.borrowed_prompt_cost.us_per_token == pytest.approx(500.0)
+    assert engine.borrowed_prompt_cost.base_ms == pytest.approx(1.0)
+    while engine.has_unfinished():
+        engine.step()
+    engine.pool.check_integrity()
+
+
 def test_a_short_prompt_behind_a_long_one_starts_next_step_under_the_threshold(loaded: LoadedModel) -> None:
     """With `long_prefill_token_threshold` 16 of a 64-token budget, the 200-token prompt takes 16
     tokens a step and the 10-token prompt that arrives behind it is prefilled in the very next step;

@@ -6,6 +6,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from engine.worker.settings import WorkerSettings, add_worker_arguments, settings_from_args
 
 
@@ -35,3 +37,33 @@ def test_ucx_progress_mode_choices_are_the_transports() -> None:
     add_worker_arguments(parser, with_mode=True)
     (action,) = [a for a in parser._actions if a.dest == "ucx_progress_mode"]
     assert tuple(action.choices or ()) == PROGRESS_MODES
+
+
+def test_core_lease_flags() -> None:
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, with_mode=True)
+    required = [
+        "--model",
+        "tiny",
+        "--coordinator",
+        "127.0.0.1:1",
+        "--worker-id",
+        "w",
+        "--insecure-control-plane",
+    ]
+    args = parser.parse_args([*required, "--borrow-cores", "0+2-3", "--core-lease-dir", "/run/cores"])
+    settings = settings_from_args(args, "decode")
+    assert settings.borrow_cores == (0, 2, 3) and not settings.lend_cores
+    assert settings.core_lease_dir == "/run/cores"
+    default = settings_from_args(parser.parse_args([*required, "--lend-cores"]), "prefill")
+    assert default.lend_cores and default.core_lease_dir.endswith("-cores")
+    with pytest.raises(SystemExit):
+        parser.parse_args([*required, "--borrow-cores", "1-0"])
+
+
+def test_sharing_idle_cores_needs_the_prefill_workers_pinned() -> None:
+    from splitserve.cluster import ClusterSpec
+
+    with pytest.raises(ValueError, match="--pin prefill="):
+        ClusterSpec(share_idle_cores=True)
+    assert ClusterSpec(share_idle_cores=True, cpus={"prefill": (0,)}).share_idle_cores
