@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from engine.block_pool import BlockPool
-from engine.config import EngineConfig
+from engine.config import EngineConfig, long_prompt
 from engine.kv_manager import KVCacheManager, cdiv
 from engine.loader import LoadedModel, load_model
 from engine.model import CausalLM
@@ -225,6 +225,15 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def short_prompt_pending(self) -> bool:
+        """Whether a prompt of at most `long_prefill_token_threshold` tokens waits or is mid-prefill."""
+        threshold = self.config.long_prefill_token_threshold
+        sched = self.scheduler
+        return any(not long_prompt(threshold, s.num_prompt_tokens) for s in sched.waiting) or any(
+            s.num_uncomputed_tokens > 1 and not long_prompt(threshold, s.num_prompt_tokens)
+            for s in sched.running
+        )
+
     def step(self) -> list[StepOutput]:
         out = self.schedule()
         if not out.scheduled:
@@ -233,10 +242,18 @@ class LLMEngine:
         result = self.execute(out)
         return self.finish_step(out, result, time.perf_counter() - start)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, widened: bool = False) -> SchedulerOutput:
         """First part of `step`, on the thread that owns the engine: pick the step's work and allocate
-        its slots (this may preempt)."""
-        out = self.scheduler.schedule()
+        its slots (this may preempt). `widened`: the step runs on borrowed cores too, and the time cap
+        prices its prompt tokens by their fit there (`borrowed_prompt_cost`, once measured)."""
+        home = self.scheduler.prompt_cost
+        if widened and self.borrowed_prompt_cost.us_per_token > 0:
+            cost = self.borrowed_prompt_cost
+            self.scheduler.prompt_cost = (cost.base_ms, cost.us_per_token / 1e3)
+        try:
+            out = self.scheduler.schedule()
+        finally:
+            self.scheduler.prompt_cost = home
         self.stats.preemptions += len(out.preempted)
         return out
 

@@ -26,7 +26,6 @@ from typing import Protocol
 
 import structlog
 
-from engine.config import long_prompt
 from engine.llm_engine import LLMEngine, StepOutput
 from engine.runner import StepResult
 from engine.scheduler import ScheduledSequence, SchedulerOutput
@@ -104,14 +103,17 @@ class StepLoop:
                     continue
                 if self.leases is not None and self.leases.lends:
                     self.metrics.core_claim_seconds.observe(await self.leases.claim())
-                out = self.engine.schedule()
+                borrowed = self._borrow()
+                out = self.engine.schedule(widened=bool(borrowed))
+                if borrowed and not any(item.is_prompt_chunk for item in out.scheduled):
+                    borrowed = self._give_back()  # no prompt work after all: the step stays home
                 if out.preempted:
                     await self._notify(self.handler.on_preempted(out.preempted))
                 if not out.scheduled:
                     # protects the pool: nothing fits until a release (held results, reservations) wakes us
                     await self._idle()
                     continue
-                await self._step(loop, out)
+                await self._step(loop, out, borrowed)
         finally:
             self._executor.shutdown(wait=True)
             if self.leases is not None:
@@ -123,11 +125,13 @@ class StepLoop:
             self.leases.lend()
         await self._wake.wait()
 
-    async def _step(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput) -> None:
+    async def _step(self, loop: asyncio.AbstractEventLoop, out: SchedulerOutput, borrowed: list[int]) -> None:
+        """Run `out` on the step thread, widened onto `borrowed` (this step's, given back as it ends)."""
         assert self.handler is not None
         self._in_flight = {item.seq for item in out.scheduled}
         await self._notify(self.handler.on_scheduled(out.scheduled))
-        borrowed = self._borrow(out)
+        if borrowed:
+            self.metrics.borrowed_core_steps.inc()
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive
@@ -138,31 +142,29 @@ class StepLoop:
             await self.handler.on_step_failed([item.seq for item in out.scheduled], exc)
             return
         finally:
-            if borrowed and self.leases is not None:
-                self.leases.give_back()
+            self._give_back()
         seconds = time.perf_counter() - start
         outputs = self.engine.finish_step(out, result, seconds, widened=bool(borrowed))
         self._end_step()
         self._account(out, seconds)
         await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
 
-    def _borrow(self, out: SchedulerOutput) -> list[int]:
-        """The borrowed CPUs `out` runs on beside this worker's own: free leases, for a step that
-        computes a short prompt's tokens (by `long_prefill_token_threshold`). Decode steps stay on
-        the home team, and so do steps of long prompts alone: those would hold the lender's cores
-        for seconds, and the short prompts arriving meanwhile would find both workers busy."""
-        if self.leases is None or not self.leases.borrows:
+    def _borrow(self) -> list[int]:
+        """The borrowed CPUs the next step may run on beside this worker's own: the free, unclaimed
+        ones, taken before scheduling while a short prompt (by `long_prefill_token_threshold`) waits
+        or is mid-prefill, so the scheduler's time cap prices its tokens at their cost there. Decode
+        steps stay on the home team, and so do long prompts' chunks alone: those would hold the
+        lender's cores for seconds, and the short prompts arriving meanwhile would find both workers
+        busy."""
+        if self.leases is None or not self.leases.borrows or not self.engine.short_prompt_pending():
             return []
-        threshold = self.engine.config.long_prefill_token_threshold
-        if not any(
-            item.is_prompt_chunk and not long_prompt(threshold, item.seq.num_prompt_tokens)
-            for item in out.scheduled
-        ):
-            return []
-        cpus = self.leases.borrow()
-        if cpus:
-            self.metrics.borrowed_core_steps.inc()
-        return cpus
+        return self.leases.borrow()
+
+    def _give_back(self) -> list[int]:
+        """Return any borrowed CPUs (the team is already home); the empty list of what is left."""
+        if self.leases is not None:
+            self.leases.give_back()
+        return []
 
     def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> StepResult:
         """On the step thread: the forward, on a team widened onto `borrowed` for this step only."""

@@ -132,32 +132,49 @@ def test_the_time_cap_turns_the_measured_prompt_token_cost_into_tokens(loaded: L
     assert both.scheduler.prompt_tokens_while_decoding() == 1
 
 
-def test_steps_on_borrowed_cores_have_a_fit_of_their_own(loaded: LoadedModel) -> None:
-    """A widened step (run on borrowed cores too) feeds only `borrowed_prompt_cost`: the home fits,
-    the time cap they size and the router's step fit keep what the worker's own cores do."""
+def test_steps_on_borrowed_cores_have_a_fit_of_their_own_and_a_cap_by_it(loaded: LoadedModel) -> None:
+    """A widened step (run on borrowed cores too) feeds only `borrowed_prompt_cost`: the home fits
+    and the router's step fit keep what the worker's own cores do. A step scheduled `widened` sizes
+    its prompt chunk beside decodes by that fit: the 12.25 ms cap buys (12.25 - 1) / 0.5 = 22 tokens
+    there against (12.25 - 3) / 2 = 4 at home."""
     config = EngineConfig(
-        block_size=4, num_blocks=128, max_num_batched_tokens=64, prefill_ms_while_decoding=12
+        block_size=4, num_blocks=128, max_num_batched_tokens=64, prefill_ms_while_decoding=12.25
     )
     engine = LLMEngine(loaded, config)
     rng = random.Random(8)
-    join_decodes(engine, rng, 40, 40)
+    join_decodes(engine, rng, 60, 60)
 
-    def timed_step(widened: bool) -> None:
-        out = engine.schedule()
+    def timed_step(widened: bool) -> int:
+        out = engine.schedule(widened=widened)
         prompt = sum(i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk)
         ms = 10.0 + ((1.0 + 0.5 * prompt) if widened else (3.0 + 2.0 * prompt)) * bool(prompt)
         engine.finish_step(out, engine.execute(out), ms / 1e3, widened=widened)
+        return prompt
+
+    def prefill(request_id: str, n: int, widened: bool) -> list[int]:
+        engine.add_request(request_id, random_prompt(rng, n), GREEDY)
+        assert engine.short_prompt_pending()
+        chunks = []
+        while engine.short_prompt_pending():
+            chunks.append(timed_step(widened))
+        return chunks
 
     for _ in range(4):
         timed_step(False)  # two cold steps, then the decode steps' 10 ms
+    assert not engine.short_prompt_pending()
+    assert prefill("h1", 48, False) == [48]  # no cap until a cost is measured
+    assert prefill("h2", 20, False)[0] == 5  # the average first (99 ms / 48 a token), then the fit
+    assert engine.scheduler.prompt_cost == (pytest.approx(3.0), pytest.approx(2.0))
     home = (engine.step_cost.us_per_token, engine.step_cost.base_ms, engine.scheduler.prompt_cost)
-    for n in (20, 12):
-        engine.add_request(f"p{n}", random_prompt(rng, n), GREEDY)
-        timed_step(True)
+    # widened: the home cap sizes the first chunk (4 tokens), the average the next (0.75 ms a token: 16)
+    assert prefill("w1", 20, True) == [4, 16]
     assert (engine.step_cost.us_per_token, engine.step_cost.base_ms, engine.scheduler.prompt_cost) == home
     assert engine.decode_step_ms == 10.0
     assert engine.borrowed_prompt_cost.us_per_token == pytest.approx(500.0)
     assert engine.borrowed_prompt_cost.base_ms == pytest.approx(1.0)
+    engine.add_request("capped", random_prompt(rng, 40), GREEDY)
+    assert timed_step(True) == 22 and engine.scheduler.prompt_cost == home[2]
+    assert timed_step(False) == 4
     while engine.has_unfinished():
         engine.step()
     engine.pool.check_integrity()
