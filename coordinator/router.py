@@ -61,7 +61,8 @@ tokens and a cost a token); before it has measured one, its whole-step cost_per_
 A decode worker that borrows the prefill workers' idle cores for its prompt steps (`--borrow-cores`,
 engine/worker/core_lease.py) reports the same fit over those steps (`prompt_on_borrowed_cores_*`);
 while no prefill worker has work (queued or placed since its report), a short prompt (by its
-threshold) is priced by that: the prefill workers' cores are then free for it (every one of them, so
+threshold) is priced by that, at the prompt tokens a step its time cap buys there
+(`prefill_tokens_while_decoding_on_borrowed_cores`): the prefill workers' cores are then free for it (every one of them, so
 a decode worker's own lender is among them wherever the pools span hosts). A long prompt keeps the
 home fit: the decode worker computes it on its own cores (engine/worker/stepper.py).
 
@@ -300,16 +301,17 @@ class Router:
         """`decode` prefilling the sequence itself within its spare step budget; None when its
         running decodes leave no budget (or it has not reported its budget yet)."""
         load = decode.load
-        spare = prefill_budget(
-            load.step_token_budget, load.prefill_tokens_while_decoding, load.running_requests
-        )
-        if spare <= 0:
-            return None
         cached = self.cached_tokens(decode, token_ids, hashes)
         own = len(token_ids) - cached
+        borrowed = self.on_borrowed_cores(decode, own)
+        cap = load.prefill_tokens_while_decoding
+        if borrowed and load.prefill_tokens_while_decoding_on_borrowed_cores:
+            cap = load.prefill_tokens_while_decoding_on_borrowed_cores
+        spare = prefill_budget(load.step_token_budget, cap, load.running_requests)
+        if spare <= 0:
+            return None
         work = load.queued_tokens + decode.pending_tokens + own
         run = self.prompt_run(decode, own, spare)  # what runs before it: D's own order, as P's
-        borrowed = self.on_borrowed_cores(decode, own)
         in_flight = _step_in_flight_ms(decode)  # the step under way, and a long prompt's chunk in it
         if run.in_flight_tokens:
             in_flight += self.local_prompt_ms(decode, run.in_flight_tokens, 1, borrowed) / 2

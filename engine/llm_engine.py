@@ -225,6 +225,17 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def _borrowed_cap_cost(self) -> tuple[float, float]:
+        cost = self.borrowed_prompt_cost
+        return (cost.base_ms, cost.us_per_token / 1e3)
+
+    def prompt_tokens_while_decoding_widened(self) -> int:
+        """The scheduler's cap on prompt tokens beside decodes in a step on borrowed cores (priced by
+        `borrowed_prompt_cost`; the home cap until that is measured)."""
+        if self.borrowed_prompt_cost.us_per_token <= 0:
+            return self.scheduler.prompt_tokens_while_decoding()
+        return self.scheduler.prompt_tokens_while_decoding(self._borrowed_cap_cost())
+
     def short_prompt_pending(self) -> bool:
         """Whether a prompt of at most `long_prefill_token_threshold` tokens waits or is mid-prefill."""
         threshold = self.config.long_prefill_token_threshold
@@ -248,8 +259,7 @@ class LLMEngine:
         prices its prompt tokens by their fit there (`borrowed_prompt_cost`, once measured)."""
         home = self.scheduler.prompt_cost
         if widened and self.borrowed_prompt_cost.us_per_token > 0:
-            cost = self.borrowed_prompt_cost
-            self.scheduler.prompt_cost = (cost.base_ms, cost.us_per_token / 1e3)
+            self.scheduler.prompt_cost = self._borrowed_cap_cost()
         try:
             out = self.scheduler.schedule()
         finally:

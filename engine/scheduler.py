@@ -136,14 +136,14 @@ class Scheduler:
         # LLMEngine's step accounting writes it; a slope of 0: not yet measured, no time cap
         self.prompt_cost = (0.0, 0.0)
 
-    def prompt_tokens_while_decoding(self) -> int:
+    def prompt_tokens_while_decoding(self, prompt_cost: tuple[float, float] | None = None) -> int:
         """The cap on a step's prompt tokens beside running decodes (0: none): the token cap, and the
         time cap in tokens at the measured cost, `(ms - fixed) / per_token` (at least one token, so a
         prompt always advances; none until a cost is measured). What the scheduler applies and the
-        worker reports."""
+        worker reports; `prompt_cost` (fixed ms, ms a token): at that cost instead of `prompt_cost`'s."""
         cap = self.config.prefill_tokens_while_decoding
         ms = self.config.prefill_ms_while_decoding
-        fixed, per_token = self.prompt_cost
+        fixed, per_token = self.prompt_cost if prompt_cost is None else prompt_cost
         if ms > 0 and per_token > 0:
             by_time = max(1, int((ms - fixed) / per_token))
             cap = min(cap, by_time) if cap else by_time

@@ -278,6 +278,7 @@ class WorkerRole:
             prompt_beside_decodes_base_ms=beside_base_ms,
             prompt_on_borrowed_cores_us_per_token=self.engine.borrowed_prompt_cost.us_per_token,
             prompt_on_borrowed_cores_base_ms=self.engine.borrowed_prompt_cost.base_ms,
+            prefill_tokens_while_decoding_on_borrowed_cores=self.engine.prompt_tokens_while_decoding_widened(),
             prefix_cache_query_tokens=self.prefix_query_tokens,
             prefix_cache_hit_tokens=self.prefix_hit_tokens,
         )

@@ -1529,6 +1529,7 @@ class WorkerLoad(_message.Message):
     PROMPT_BESIDE_DECODES_BASE_MS_FIELD_NUMBER: _builtins.int
     PROMPT_ON_BORROWED_CORES_US_PER_TOKEN_FIELD_NUMBER: _builtins.int
     PROMPT_ON_BORROWED_CORES_BASE_MS_FIELD_NUMBER: _builtins.int
+    PREFILL_TOKENS_WHILE_DECODING_ON_BORROWED_CORES_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1587,6 +1588,10 @@ class WorkerLoad(_message.Message):
     """
     prompt_on_borrowed_cores_base_ms: _builtins.float
     """The fixed part of that fit, milliseconds; 0 until measured."""
+    prefill_tokens_while_decoding_on_borrowed_cores: _builtins.int
+    """prefill_tokens_while_decoding in a step on borrowed cores: --prefill-ms-while-decoding buys
+    more tokens at that fit (prefill_tokens_while_decoding until it is measured).
+    """
     def __init__(
         self,
         *,
@@ -1607,10 +1612,11 @@ class WorkerLoad(_message.Message):
         prompt_beside_decodes_base_ms: _builtins.float = ...,
         prompt_on_borrowed_cores_us_per_token: _builtins.float = ...,
         prompt_on_borrowed_cores_base_ms: _builtins.float = ...,
+        prefill_tokens_while_decoding_on_borrowed_cores: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "prompt_on_borrowed_cores_base_ms", b"prompt_on_borrowed_cores_base_ms", "prompt_on_borrowed_cores_us_per_token", b"prompt_on_borrowed_cores_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_tokens_while_decoding_on_borrowed_cores", b"prefill_tokens_while_decoding_on_borrowed_cores", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "prompt_on_borrowed_cores_base_ms", b"prompt_on_borrowed_cores_base_ms", "prompt_on_borrowed_cores_us_per_token", b"prompt_on_borrowed_cores_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -194,28 +194,31 @@ def test_a_short_prompt_is_priced_on_borrowed_cores_while_no_prefill_worker_has_
     served_model: ServedModel,
 ) -> None:
     """D also reports its prompt fit on borrowed cores (1 ms a step, 40 us a token, against 2 ms and
-    100 us on its own): while P has nothing queued, a short prompt on D is priced by it; a long one
-    (over D's threshold, 128) keeps D's own fit, and so does any prompt while P has work."""
+    100 us on its own) and the prompt tokens its time cap buys a step there (48, against 16): while
+    P has nothing queued, a short prompt on D is priced by them; a long one (over D's threshold,
+    128) keeps D's own, and so does any prompt while P has work."""
     pool = conditional_pool(served_model, p_queued_tokens=0)
     fits = {
         "prompt_beside_decodes_us_per_token": 100.0,
         "prompt_beside_decodes_base_ms": 2.0,
+        "prefill_tokens_while_decoding": 16,
         "prompt_on_borrowed_cores_us_per_token": 40.0,
         "prompt_on_borrowed_cores_base_ms": 1.0,
+        "prefill_tokens_while_decoding_on_borrowed_cores": 48,
         "long_prefill_token_threshold": 128,
     }
     pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
     short, long = list(range(48)), list(range(200))
-    placement = pool.router.place(short)  # one step of 56 spare
+    placement = pool.router.place(short)  # one step of 48
     assert placement is not None and placement.local_on_borrowed_cores
     assert placement.local_ttft_ms == pytest.approx(48 * 0.04 + 1.0 + 20.0 + 10.0)
-    assert placement.routing().local_on_borrowed_cores
+    assert placement.decode_spare_tokens == 48 and placement.routing().local_on_borrowed_cores
     placement = pool.router.place(long)
     assert placement is not None and not placement.local_on_borrowed_cores
     pool.report("p", queued_tokens=64, us_per_token=50.0)  # P computes: its cores are its own
-    placement = pool.router.place(short)
+    placement = pool.router.place(short)  # three steps of 16
     assert placement is not None and not placement.local_on_borrowed_cores
-    assert placement.local_ttft_ms == pytest.approx(48 * 0.1 + 2.0 + 20.0 + 10.0)
+    assert placement.local_ttft_ms == pytest.approx(48 * 0.1 + 3 * 2.0 + 3 * 20.0 + 10.0)
     pool.report("p", us_per_token=50.0)
     pool.router.commit(pool.router.place(long) or pytest.fail("no placement"))  # placed on P since
     placement = pool.router.place(short)

@@ -172,6 +172,8 @@ def test_steps_on_borrowed_cores_have_a_fit_of_their_own_and_a_cap_by_it(loaded:
     assert engine.decode_step_ms == 10.0
     assert engine.borrowed_prompt_cost.us_per_token == pytest.approx(500.0)
     assert engine.borrowed_prompt_cost.base_ms == pytest.approx(1.0)
+    assert engine.prompt_tokens_while_decoding_widened() == 22  # what the worker reports
+    assert engine.scheduler.prompt_tokens_while_decoding() == 4
     engine.add_request("capped", random_prompt(rng, 40), GREEDY)
     assert timed_step(True) == 22 and engine.scheduler.prompt_cost == home[2]
     assert timed_step(False) == 4
