@@ -10,9 +10,10 @@ safe: a sequence the in-flight step computes is never freed mid-step; `release` 
 of the step.
 
 With core leases (engine/worker/core_lease.py) the loop also lends and borrows cores: a lender claims
-its own cores before computing and lends them whenever it waits for work; a borrower runs each step
-that computes a short prompt's tokens on the free borrowed cores too, and gives them back as the step
-ends.
+its own cores before computing and lends them whenever it waits for work; a borrower, while a short
+prompt is pending, takes the free borrowed cores before scheduling (the time cap then prices that
+step's prompt tokens at their cost there), runs the step on them too, and gives them back as the
+step ends (at once when the step has no prompt work).
 """
 
 from __future__ import annotations
