@@ -225,16 +225,16 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def _borrowed_cap_cost(self) -> tuple[float, float]:
+    def _widened_prompt_cost(self) -> tuple[float, float] | None:
+        """`borrowed_prompt_cost` as the scheduler's (fixed ms, ms a token); None until measured (a
+        step on borrowed cores is then capped at the home cost)."""
         cost = self.borrowed_prompt_cost
-        return (cost.base_ms, cost.us_per_token / 1e3)
+        return (cost.base_ms, cost.us_per_token / 1e3) if cost.us_per_token > 0 else None
 
     def prompt_tokens_while_decoding_widened(self) -> int:
         """The scheduler's cap on prompt tokens beside decodes in a step on borrowed cores (priced by
         `borrowed_prompt_cost`; the home cap until that is measured)."""
-        if self.borrowed_prompt_cost.us_per_token <= 0:
-            return self.scheduler.prompt_tokens_while_decoding()
-        return self.scheduler.prompt_tokens_while_decoding(self._borrowed_cap_cost())
+        return self.scheduler.prompt_tokens_while_decoding(self._widened_prompt_cost())
 
     def short_prompt_pending(self) -> bool:
         """Whether a prompt of at most `long_prefill_token_threshold` tokens waits or is mid-prefill."""
@@ -257,13 +257,7 @@ class LLMEngine:
         """First part of `step`, on the thread that owns the engine: pick the step's work and allocate
         its slots (this may preempt). `widened`: the step runs on borrowed cores too, and the time cap
         prices its prompt tokens by their fit there (`borrowed_prompt_cost`, once measured)."""
-        home = self.scheduler.prompt_cost
-        if widened and self.borrowed_prompt_cost.us_per_token > 0:
-            self.scheduler.prompt_cost = self._borrowed_cap_cost()
-        try:
-            out = self.scheduler.schedule()
-        finally:
-            self.scheduler.prompt_cost = home
+        out = self.scheduler.schedule(self._widened_prompt_cost() if widened else None)
         self.stats.preemptions += len(out.preempted)
         return out
 

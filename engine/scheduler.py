@@ -194,14 +194,16 @@ class Scheduler:
         else:
             self._finish(seq, FinishReason.ABORT)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, prompt_cost: tuple[float, float] | None = None) -> SchedulerOutput:
+        """One step's work; `prompt_cost` prices the time cap's prompt tokens in place of
+        `self.prompt_cost` (a step on borrowed cores: `LLMEngine.schedule(widened=True)`)."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Sequence] = []
         taken: set[Sequence] = set()
         decodes = sum(1 for s in self.running if s.num_uncomputed_tokens == 1)
         prefill = prefill_budget(
-            budget, self.prompt_tokens_while_decoding(), decodes
+            budget, self.prompt_tokens_while_decoding(prompt_cost), decodes
         )  # prompt tokens left this step
         threshold = self.config.long_prefill_token_threshold
         chunk = threshold or budget  # one prompt's share of a step

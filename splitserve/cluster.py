@@ -117,7 +117,7 @@ class ClusterSpec:
     share_idle_cores: bool = False
 
     def __post_init__(self) -> None:
-        if self.share_idle_cores and not self.cpus.get("prefill"):
+        if self.share_idle_cores and self.mode != "colocated" and not self.cpus.get("prefill"):
             raise ValueError(
                 "sharing idle cores needs the prefill workers pinned (--pin prefill=CPUS): their CPUs are lent"
             )

@@ -48,10 +48,18 @@ class Worker:
 
     `role_class` (handed in by `prefill/main.py` or `decode/main.py`; the runtime never imports the
     roles) sets the engine's policy through `engine_config` and handles the request messages. Tests
-    build several in one process (each has its own engine, sockets, registry and threads).
+    build several in one process (each has its own engine, sockets, registry and threads). `leases`
+    (`core_leases(settings)`, built by the process entry before the model loads) pass to the step
+    loop, which owns and closes them.
     """
 
-    def __init__(self, settings: WorkerSettings, loaded: LoadedModel, role_class: type[WorkerRole]) -> None:
+    def __init__(
+        self,
+        settings: WorkerSettings,
+        loaded: LoadedModel,
+        role_class: type[WorkerRole],
+        leases: CoreLeases | None = None,
+    ) -> None:
         self.settings = settings
         self.role_class = role_class
         self.engine = LLMEngine(loaded, role_class.engine_config(settings.engine))
@@ -60,7 +68,7 @@ class Worker:
             self.metrics.kv_cache_huge_page_share.set(share)
         staging_pool = staging.pool_for(self.engine.runner.kv_cache)
         self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
-        self.stepper = StepLoop(self.engine, self.metrics, _core_leases(settings))
+        self.stepper = StepLoop(self.engine, self.metrics, leases)
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
         self.control: WorkerControl | None = None
@@ -190,13 +198,18 @@ async def _main(settings: WorkerSettings, role_class: type[WorkerRole]) -> int:
     from engine.model_dir import resolve_model_dir
     from splitserve.progress import announce
 
+    try:
+        leases = core_leases(settings)  # before the model: a bad lease setting fails in a second
+    except ValueError as exc:
+        log.error("bad core lease settings", error=str(exc))
+        return 2
     cfg = settings.engine
     announce("preparing the model")
     model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, announce)
     announce(f"loading {model_dir.name}")
     loaded = await asyncio.to_thread(load_model, model_dir, dtype=cfg.torch_dtype, device=cfg.device)
     announce("allocating the KV cache, loading kernels")  # the engine's runner loads the CPU kernels
-    worker = Worker(settings, loaded, role_class)
+    worker = Worker(settings, loaded, role_class, leases)
     announce("registering with the coordinator")
     try:
         info = await worker.start()
@@ -220,8 +233,9 @@ async def _main(settings: WorkerSettings, role_class: type[WorkerRole]) -> int:
     return 0
 
 
-def _core_leases(settings: WorkerSettings) -> CoreLeases | None:
-    """The worker's core leases, where it lends or borrows cores (--lend-cores, --borrow-cores)."""
+def core_leases(settings: WorkerSettings) -> CoreLeases | None:
+    """The worker's core leases, where it lends or borrows cores (--lend-cores, --borrow-cores);
+    ValueError names a bad setting (the lease directory's trust, a borrowed CPU of its own)."""
     if not (settings.lend_cores or settings.borrow_cores):
         return None
     kernels = cpu_ext.load()

@@ -53,10 +53,10 @@ class WorkerSettings:
     control_key: str = ""  # this worker's .key_secret file (CURVE client and server key)
     coordinator_public_key: str = ""  # the coordinator's .key file (the DEALER verifies the server)
     insecure_control_plane: bool = False  # plaintext, unauthenticated control plane (logs a warning)
-    lend_cores: bool = False  # core leases (engine/worker/core_lease.py): lend this worker's CPUs while idle
-    borrow_cores: tuple[
-        int, ...
-    ] = ()  # ... and run prompt steps on these CPUs too while their leases are free
+    # core leases (engine/worker/core_lease.py): lend this worker's CPUs while it idles; run prompt
+    # steps on `borrow_cores` too while their leases are free
+    lend_cores: bool = False
+    borrow_cores: tuple[int, ...] = ()
     core_lease_dir: str = ""  # the host's lease files; "": <temp dir>/splitserve-<uid>-cores
 
     def __post_init__(self) -> None:

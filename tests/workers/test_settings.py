@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +69,18 @@ def test_sharing_idle_cores_needs_the_prefill_workers_pinned() -> None:
     with pytest.raises(ValueError, match="--pin prefill="):
         ClusterSpec(share_idle_cores=True)
     assert ClusterSpec(share_idle_cores=True, cpus={"prefill": (0,)}).share_idle_cores
+    assert ClusterSpec(share_idle_cores=True, mode="colocated").share_idle_cores  # ignored there
+
+
+def test_a_bad_core_lease_setting_fails_before_the_model_loads(tmp_path: Path) -> None:
+    own = min(os.sched_getaffinity(0))
+    args = ["--model", str(tmp_path / "no-model"), "--coordinator", "127.0.0.1:1", "--insecure-control-plane"]
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "decode", *args, "--borrow-cores", str(own)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "bad core lease settings" in out.stderr and "are this worker's own" in out.stderr
+    assert "no-model" not in out.stderr  # it never got as far as the model
