@@ -155,6 +155,14 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "(0 = off: the lower estimate decides)",
     )
     parser.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=default["ttft_slo_ms"],
+        help="conditional: a prompt over a decode worker's --long-prefill-token-threshold prefills there "
+        "only when a prefill worker's estimated TTFT is over this (ms): long prompts stall decode only "
+        "to save the target (0 = off: the lower estimate decides)",
+    )
+    parser.add_argument(
         "--tpot-guard",
         choices=TPOT_GUARDS,
         default=default["tpot_guard"],
@@ -260,6 +268,7 @@ def _config(
             args.tpot_guard,
             args.first_token_from,
             args.local_first_ttft_ms,
+            args.ttft_slo_ms,
         ),
     )
 

@@ -11,11 +11,15 @@ Prefill worker: the READY one with the lowest *estimated TTFT*
     compute(n, per_step) = n x cost_per_token + ceil(n / per_step) x step_base
 
 where cost_per_token and step_base are the worker's measured step cost (engine/step_cost.py:
-time ~ base + tokens x cost; no base term until it reports its budget and base). A worker whose
-steps have not yet given a slope (step base 0: its report is the average per token) borrows the
-mean fitted cost of the workers that have one: a decode worker that has only decoded reports a
-whole step over its few decode tokens (a 45 ms step over 6 of them: 7,500 us a token), several times what a
-prompt token costs it; with no fit anywhere, its own average, then the pool's, then a default.
+time ~ base + tokens x cost; no base term until it reports its budget and base). A prefill
+worker's steps are all prompt, so its report prices it (the slope, or the average per token before
+its steps differ in size); a colocated worker's once it has a fit (step base > 0). Any other
+worker borrows the mean of those: a decode worker's steps are decodes, whose fit over their few
+tokens is no prompt cost (a 45 ms step over 6 of them averages 7,500 us a token; their slope, what
+one more running sequence adds, came out 10 ms a token in session 29, and while any fitted worker's
+slope counted, a prefill worker whose fit clamped its base to 0 borrowed it: a 1,024-token document
+on an idle P estimated at 12.9 s). With no such report anywhere, its own average, then the pool's,
+then a default.
 uncached_tokens is the sequence minus the longest prefix whose chained block hashes the worker reported in PrefixCacheEvents. A prefix hit on a busy worker therefore loses to an idle worker when
 the queue costs more than the recompute (seed 001, "the cache hit that loses"). A colocated worker is
 its own decode worker.
@@ -53,7 +57,8 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
     part, the weights read once, and D's whole-step fit, polluted by its decode steps, priced an idle
     D's chat above what it took; tried in session 26, not kept)
     spare = its step token budget - its running sequences (one decode token each per step), at most
-            its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies)
+            its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies;
+            none for a short prompt on a worker that runs them whole, `--short-prompts-whole`)
 
 where the prompt cost a token and base are what D reports of prompt tokens *beside its decodes*
 (`prompt_beside_decodes_*`: the fit its own time cap uses, a fixed part per step that carries prompt
@@ -63,7 +68,11 @@ engine/worker/core_lease.py) reports the same fit over those steps (`prompt_on_b
 while no prefill worker has work (queued or placed since its report), a short prompt (by its
 threshold) is priced by that, at the prompt tokens a step its time cap buys there
 (`prefill_tokens_while_decoding_on_borrowed_cores`): the prefill workers' cores are then free for it (every one of them, so
-a decode worker's own lender is among them wherever the pools span hosts). A long prompt keeps the
+a decode worker's own lender is among them wherever the pools span hosts). Until it has measured
+such a step it reports its own share of their team (`prompt_on_borrowed_cores_share`: 1 thread of
+2 is 0.5) and the home price times that is the prior: without one the router priced an unmeasured
+D at home, sent every chat to an idle P, and D never borrowed to measure (session 29: 31 of 36
+chats at 0.5 req/s shipped, TTFT p50 122 ms). A long prompt keeps the
 home fit: the decode worker computes it on its own cores (engine/worker/stepper.py).
 
 A long prompt (over the worker's threshold T) is priced as counted times the worker's learned
@@ -75,7 +84,11 @@ for seconds, nor the decodes they add to its steps.
 `local_prefill_max_tokens` (a long prompt always goes to a prefill worker, so decode keeps its core),
 and, with `local_first_ttft_ms` > 0, also whenever local_ms is within it: a short prompt then
 leaves the prefill worker to the long ones even when that worker would be sooner for it, since
-every prompt a prefill worker takes delays the long prompts queued behind it;
+every prompt a prefill worker takes delays the long prompts queued behind it; with `ttft_slo_ms` > 0
+a prompt over the decode worker's threshold T goes local only when the remote estimate is over that
+target (its chunks would stretch every running request's gaps for seconds: worth it only to save a
+first token's target; at 0.5 req/s of issue 12's mix, documents on D made 33-161 of the 59-181 gaps
+over 1.5x the unloaded TPOT in session 28's runs);
 `always` never prefills on a decode worker; `never` always does.
 
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): all its prompt
@@ -146,6 +159,7 @@ class Placement:
     remote_ttft_factor: float = 1.0  # what remote_ttft_ms includes for a long prompt (ttft_calibration)
     local_ttft_factor: float = 1.0  # the same for local_ttft_ms
     local_on_borrowed_cores: bool = False  # local_ttft_ms priced by D's fit on borrowed cores
+    ttft_target_ms: float = 0.0  # the policy's TTFT target a long prompt's remote estimate was held to
 
     @property
     def colocated(self) -> bool:
@@ -176,6 +190,7 @@ class Placement:
             remote_ttft_factor=self.remote_ttft_factor,
             local_ttft_factor=self.local_ttft_factor,
             local_on_borrowed_cores=self.local_on_borrowed_cores,
+            ttft_target_ms=self.ttft_target_ms,
         )
 
     @property
@@ -249,10 +264,9 @@ class Router:
     def cost_us_per_token(self, worker: WorkerInfo) -> float:
         """The marginal cost of a prompt token on `worker` (module doc: whose fit it borrows)."""
         own = worker.load.prefill_us_per_token
-        if own > 0 and worker.load.step_base_ms > 0:
+        if _prices_prompts(worker):
             return own
-        fitted = [w.load.prefill_us_per_token for w in self.registry if w.load.step_base_ms > 0]
-        fitted = [c for c in fitted if c > 0]
+        fitted = [w.load.prefill_us_per_token for w in self.registry if _prices_prompts(w)]
         if fitted:
             return sum(fitted) / len(fitted)
         if own > 0:
@@ -307,6 +321,8 @@ class Router:
         cap = load.prefill_tokens_while_decoding
         if borrowed and load.prefill_tokens_while_decoding_on_borrowed_cores:
             cap = load.prefill_tokens_while_decoding_on_borrowed_cores
+        if load.short_prompts_whole and not long_prompt(load.long_prefill_token_threshold, own):
+            cap = 0  # its caps bound long prompts' chunks only
         spare = prefill_budget(load.step_token_budget, cap, load.running_requests)
         if spare <= 0:
             return None
@@ -323,11 +339,13 @@ class Router:
 
     @staticmethod
     def priced_by_own_fit(worker: WorkerInfo, path: serving_pb2.PrefillPath.ValueType) -> bool:
-        """Whether `worker`'s estimates on `path` come from its own fitted cost, not a borrowed or
-        default one: on the local path its fit of prompt tokens beside decodes or its step fit, on
-        the remote path its step fit (`cost_us_per_token`, `local_prompt_ms`)."""
+        """Whether `worker`'s estimates on `path` come from its own fitted cost, not an average, a
+        borrowed or a default one: its step fit where that prices prompts (`cost_us_per_token`), and
+        on the local path also its fit of prompt tokens beside decodes (`local_prompt_ms`)."""
         load = worker.load
-        return load.step_base_ms > 0 or (path == LOCAL and load.prompt_beside_decodes_us_per_token > 0)
+        if path == LOCAL and load.prompt_beside_decodes_us_per_token > 0:
+            return True
+        return _prices_prompts(worker) and load.step_base_ms > 0
 
     @staticmethod
     def long_ttft_factor(worker: WorkerInfo, uncached: int, path: serving_pb2.PrefillPath.ValueType) -> float:
@@ -341,13 +359,16 @@ class Router:
         """What `tokens` of prompt over `steps` steps add to `decode`'s steps beyond its decodes: the
         fit it reports of prompt tokens beside decodes (a fixed part per step that carries any, and a
         cost a token); before it has one, its whole-step cost a token and no fixed part. `borrowed`
-        (`on_borrowed_cores`): the fit of its steps on borrowed cores."""
+        (`on_borrowed_cores`): the fit of its steps on borrowed cores; before it has one, the home
+        price x its own share of such a step's team (`prompt_on_borrowed_cores_share`)."""
         load = decode.load
-        if borrowed:
+        if borrowed and load.prompt_on_borrowed_cores_us_per_token > 0:
             return (
                 tokens * load.prompt_on_borrowed_cores_us_per_token / 1e3
                 + steps * load.prompt_on_borrowed_cores_base_ms
             )
+        if borrowed:
+            return self.local_prompt_ms(decode, tokens, steps) * load.prompt_on_borrowed_cores_share
         if load.prompt_beside_decodes_us_per_token <= 0:
             return tokens * self.cost_us_per_token(decode) / 1e3
         return (
@@ -357,10 +378,11 @@ class Router:
 
     def on_borrowed_cores(self, decode: WorkerInfo, uncached: int) -> bool:
         """Whether `decode` prefills a prompt of `uncached` tokens on borrowed cores (module doc): it
-        reports a fit of such steps, the prompt is short by its threshold, and no READY prefill
-        worker has prompt work, reported or placed since (their cores are free)."""
+        borrows (it reports a fit of such steps, or its share of their team before it has one), the
+        prompt is short by its threshold, and no READY prefill worker has prompt work, reported or
+        placed since (their cores are free)."""
         load = decode.load
-        if load.prompt_on_borrowed_cores_us_per_token <= 0:
+        if load.prompt_on_borrowed_cores_us_per_token <= 0 and load.prompt_on_borrowed_cores_share <= 0:
             return False
         if long_prompt(load.long_prefill_token_threshold, uncached):
             return False
@@ -438,12 +460,22 @@ class Router:
             over_tpot = target > 0 and local.local_tpot_ms > target
         if remote is None:  # no prefill worker can take it now: wait for one (or for D's TPOT)
             return None if too_long or over_tpot else local
-        if too_long or over_tpot:
+        if too_long or over_tpot or self.remote_meets_target(remote, local):
             return _with_local(remote, local)
         first = self.policy.local_first_ttft_ms
         if local.local_ttft_ms < remote.remote_ttft_ms or (first > 0 and local.local_ttft_ms <= first):
             return local
         return _with_local(remote, local)
+
+    def remote_meets_target(self, remote: Placement, local: Placement) -> bool:
+        """A long prompt for the decode worker (over its threshold: chunks beside its decodes for many
+        steps) whose remote estimate is within the policy's TTFT target: it goes remote however much
+        sooner the local path would be (`RoutingPolicy.ttft_slo_ms`; never while that is 0)."""
+        target = self.policy.ttft_slo_ms
+        threshold = local.decode.load.long_prefill_token_threshold
+        return (
+            target > 0 and long_prompt(threshold, local.uncached_tokens) and remote.remote_ttft_ms <= target
+        )
 
     def _place_remote(self, token_ids: Sequence[int], hashes: dict[int, list[int]]) -> Placement | None:
         """The lowest-TTFT prefill worker that pairs with a decode worker with room (or a colocated
@@ -541,6 +573,7 @@ class Router:
             remote.remote_ttft_factor if remote is not None else 1.0,
             est.ttft_factor if est is not None else 1.0,
             est is not None and est.on_borrowed_cores,
+            self.policy.ttft_slo_ms,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -637,7 +670,17 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         local_first_ttft_ms=local.local_first_ttft_ms,
         local_ttft_factor=local.local_ttft_factor,
         local_on_borrowed_cores=local.local_on_borrowed_cores,
+        ttft_target_ms=local.ttft_target_ms,
     )
+
+
+def _prices_prompts(worker: WorkerInfo) -> bool:
+    """Whether `worker`'s step report is a prompt token's cost (module doc): a prefill worker's, or a
+    colocated worker's fit."""
+    load = worker.load
+    if load.prefill_us_per_token <= 0:
+        return False
+    return worker.role == PREFILL or (worker.role == COLOCATED and load.step_base_ms > 0)
 
 
 def _decode_step_ms(decode: WorkerInfo) -> float:

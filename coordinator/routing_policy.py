@@ -1,5 +1,5 @@
 """The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`, `--tpot-slo-ms`,
-`--first-token-from`, `--local-first-ttft-ms`); import-light, because `splitserve --help` builds the coordinator's flags from
+`--first-token-from`, `--local-first-ttft-ms`, `--ttft-slo-ms`); import-light, because `splitserve --help` builds the coordinator's flags from
 these defaults."""
 
 from __future__ import annotations
@@ -26,7 +26,13 @@ class RoutingPolicy:
     `local_first_ttft_ms` > 0, `conditional` also takes the local path (when it may: short enough,
     within the TPOT guard) whenever its estimate is within that many milliseconds, even where a
     prefill worker would be sooner: short prompts then skip the hop, and the prefill workers' time
-    is left to the prompts only they can serve in time (0: the lower estimate alone decides).
+    is left to the prompts only they can serve in time (0: the lower estimate alone decides). With
+    `ttft_slo_ms` > 0, `conditional` prefills a long prompt (over the decode worker's
+    `--long-prefill-token-threshold`: one it would compute in chunks beside its decodes for many
+    steps, stretching every running request's inter-token gaps) on the decode worker only when the
+    remote path's estimate is over that TTFT target: a long prompt then stalls decode only to save
+    its first token's target, as Dynamo's decode workers prefill long prompts only while the prefill
+    queue is too long (0: the lower estimate decides for long prompts too).
 
     `first_token_from` (the hop's first token, prefilled on a prefill worker): `decode` streams it
     when the decode worker starts decoding the request (its KV landed, its first step scheduled), as
@@ -41,6 +47,7 @@ class RoutingPolicy:
     tpot_guard: str = TPOT_GUARDS[0]
     first_token_from: str = FIRST_TOKEN_FROM[0]
     local_first_ttft_ms: float = 0.0
+    ttft_slo_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATION:
@@ -60,3 +67,5 @@ class RoutingPolicy:
             raise ValueError(f"--tpot-slo-ms must be >= 0 (0 = off), got {self.tpot_slo_ms}")
         if not self.local_first_ttft_ms >= 0:
             raise ValueError(f"--local-first-ttft-ms must be >= 0 (0 = off), got {self.local_first_ttft_ms}")
+        if not self.ttft_slo_ms >= 0:
+            raise ValueError(f"--ttft-slo-ms must be >= 0 (0 = off), got {self.ttft_slo_ms}")

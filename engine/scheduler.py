@@ -11,7 +11,10 @@ tokens, so a prefill beside running requests stretches their step by a bounded a
 `prefill_ms_while_decoding`, at most the tokens that many milliseconds buy at the measured cost of a
 prompt token beside decodes (`prompt_cost`, which the engine updates after every step). Under
 `long_prefill_token_threshold` short prompts go before the one long prompt, which keeps one block of
-their steps and fills the steps without them up to the threshold (`_LongPromptSlot`). When the pool is short, the newest running
+their steps and fills the steps without them up to the threshold (`_LongPromptSlot`); with
+`short_prompts_whole` the caps beside decodes bound only long prompts' chunks (by the prefill's whole
+length, so a long prompt's tail stays capped), and a short prompt takes what the step budget leaves
+(past the cap, the long prompt then waits that step). When the pool is short, the newest running
 sequence not yet scheduled this step is preempted: its blocks are freed and it returns to the front
 of the queue to be re-prefilled.
 
@@ -205,7 +208,15 @@ class Scheduler:
         prefill = prefill_budget(
             budget, self.prompt_tokens_while_decoding(prompt_cost), decodes
         )  # prompt tokens left this step
+        whole = prefill_budget(budget, 0, decodes)  # past the caps: short_prompts_whole's prompts
         threshold = self.config.long_prefill_token_threshold
+
+        def room(seq: Sequence) -> int:
+            """Prompt tokens `seq` may take of what is left this step."""
+            if self.config.short_prompts_whole and not long_prompt(threshold, seq.num_tokens):
+                return whole
+            return prefill
+
         chunk = threshold or budget  # one prompt's share of a step
         # under the threshold, one long prompt (more than `chunk` tokens left) at a time, oldest
         # first: long prompts finish in turn instead of sharing steps, and short ones go before the
@@ -223,10 +234,10 @@ class Scheduler:
             if n > 1:  # a prompt chunk
                 if not long_slot.admits(seq):
                     continue
-                n = min(n, long_slot.share(seq, prefill), chunk)
+                n = min(n, long_slot.share(seq, room(seq)), chunk)
                 if n <= 0:
                     break  # prompt chunks come last: the prefill budget is spent
-                prefill -= n
+                prefill, whole = prefill - n, whole - n
                 long_slot.scheduled(seq, n)
             while not self.kv.allocate_slots(seq, n):
                 victim = next(s for s in reversed(self.running) if s not in taken)
@@ -240,20 +251,24 @@ class Scheduler:
                 taken.add(seq)
                 budget -= n
         for seq in list(self.waiting):
-            if min(budget, prefill) <= 0 or len(self.running) >= self.config.max_num_seqs or preempted:
+            if (
+                min(budget, max(prefill, whole)) <= 0
+                or len(self.running) >= self.config.max_num_seqs
+                or preempted
+            ):
                 break
             if not long_slot.admits(seq):
                 continue  # a shorter prompt behind it may still start
             if seq.num_computed_tokens == 0:
                 self.kv.match_prefix(seq)
-            n = min(seq.num_uncomputed_tokens, budget, long_slot.share(seq, prefill), chunk)
+            n = min(seq.num_uncomputed_tokens, budget, long_slot.share(seq, room(seq)), chunk)
             if n <= 0:  # a long prompt whose half of the step's last prompt token is none
                 self._reset(seq)
                 continue
             if not self.kv.allocate_slots(seq, n):
                 self._reset(seq)
                 break
-            prefill -= n
+            prefill, whole = prefill - n, whole - n
             long_slot.scheduled(seq, n)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING

@@ -154,6 +154,15 @@ class CoreLeases:
     def borrows(self) -> bool:
         return bool(self._borrowable)
 
+    @property
+    def widened_share(self) -> float:
+        """This worker's own share of a widened step's team (one thread per borrowable CPU beside its
+        own), 0 when it borrows none: the router's prior for what a prompt token costs there against
+        home (compute splits evenly) until such steps are measured."""
+        if not self._borrowable:
+            return 0.0
+        return self.home_threads / (self.home_threads + len(self._borrowable))
+
     # --- lender -------------------------------------------------------------------------------------
 
     async def claim(self) -> float:

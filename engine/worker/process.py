@@ -188,7 +188,11 @@ def run_worker(args: argparse.Namespace, role: str, role_class: type[WorkerRole]
     `role` is the registered role name, `role_class` the role that serves it."""
     from splitserve.logs import configure_logging
 
-    settings = settings_from_args(args, role)
+    try:
+        settings = settings_from_args(args, role)
+    except ValueError as exc:  # flags argparse takes one by one but the engine refuses together
+        sys.stderr.write(f"splitserve {role}: error: {exc}\n")
+        return 2
     configure_logging(role=role, worker_id=settings.worker_id)
     return asyncio.run(_main(settings, role_class))
 

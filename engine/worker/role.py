@@ -268,6 +268,7 @@ class WorkerRole:
             queued_tokens=sum(prompt_left),
             queued_long_tokens=sum(n for n in prompt_left if long_prompt(threshold, n)),
             long_prefill_token_threshold=threshold,
+            short_prompts_whole=config.short_prompts_whole,
             running_requests=len(sched.running),
             step_token_budget=config.max_num_batched_tokens,
             prefill_tokens_while_decoding=sched.prompt_tokens_while_decoding(),
@@ -279,6 +280,7 @@ class WorkerRole:
             prompt_on_borrowed_cores_us_per_token=self.engine.borrowed_prompt_cost.us_per_token,
             prompt_on_borrowed_cores_base_ms=self.engine.borrowed_prompt_cost.base_ms,
             prefill_tokens_while_decoding_on_borrowed_cores=self.engine.prompt_tokens_while_decoding_widened(),
+            prompt_on_borrowed_cores_share=leases.widened_share if (leases := self.stepper.leases) else 0.0,
             prefix_cache_query_tokens=self.prefix_query_tokens,
             prefix_cache_hit_tokens=self.prefix_hit_tokens,
         )

@@ -198,6 +198,13 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         help="tokens one prompt may take of a step (0: the step budget): prompts behind a long one "
         "start in the next step",
     )
+    a(
+        "--short-prompts-whole",
+        action="store_true",
+        help="the caps beside decodes bound long prompts' chunks only: a prompt of at most "
+        "--long-prefill-token-threshold tokens runs whole in one step (one gap for the decodes beside "
+        "it instead of several)",
+    )
     a("--max-num-seqs", type=int, default=e["max_num_seqs"], help="sequences in one step at most")
     a("--max-model-len", type=int, default=e["max_model_len"], help="context limit (default: the model's)")
     a("--no-prefix-caching", action="store_true", help="disable the prefix cache")
@@ -295,6 +302,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         prefill_tokens_while_decoding=args.prefill_tokens_while_decoding,
         prefill_ms_while_decoding=args.prefill_ms_while_decoding,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
+        short_prompts_whole=args.short_prompts_whole,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=not args.no_prefix_caching,

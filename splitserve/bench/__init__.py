@@ -121,6 +121,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "absolute --slo-tpot-ms, 0 under --slo-scale; 0 = off)",
     )
     a(
+        "--router-ttft-slo-ms",
+        type=non_negative_float,
+        default=None,
+        help="the coordinator's --ttft-slo-ms (conditional: a long prompt prefills on a decode worker "
+        "only when a prefill worker would miss it; default: the absolute --slo-ttft-ms, 0 under "
+        "--slo-scale; 0 = off)",
+    )
+    a(
         "--router-local-first-ttft-ms",
         type=non_negative_float,
         default=None,
@@ -161,6 +169,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the same cap in step time: the prompt tokens that many ms buy at each decode worker's "
         "measured cost of a prompt token beside decodes (0: none; with both, the lower cap)",
     )
+    a(
+        "--short-prompts-whole",
+        action="store_true",
+        help="the decode workers' --short-prompts-whole: their caps beside decodes bound long prompts' "
+        "chunks only, a short prompt (by their --long-prefill-token-threshold) runs whole",
+    )
     a("--unloaded-probes", type=positive, default=2, help="unloaded requests per kind before each sweep")
     a(
         "--busy",
@@ -184,10 +198,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def router_args(args: argparse.Namespace, router_tpot_ms: float) -> list[str]:
+def router_targets(args: argparse.Namespace) -> Latency:
+    """The router's TTFT and TPOT targets: `--router-ttft/tpot-slo-ms`, else the absolute SLO (0, off,
+    under `--slo-scale`, whose SLO differs per request kind)."""
+
+    def target(given: float | None, slo_ms: float) -> float:
+        if given is not None:
+            return given
+        return 0.0 if args.slo_scale else slo_ms
+
+    return Latency(
+        target(args.router_ttft_slo_ms, args.slo_ttft_ms), target(args.router_tpot_slo_ms, args.slo_tpot_ms)
+    )
+
+
+def router_args(args: argparse.Namespace, targets: Latency) -> list[str]:
     """The coordinator flags that the `--router-*` and `--first-token-from` flags set (those unset
-    keep the coordinator's defaults; the TPOT target is always given)."""
-    out = ["--tpot-slo-ms", f"{router_tpot_ms:g}"]
+    keep the coordinator's defaults; the TTFT and TPOT targets are always given)."""
+    out = ["--ttft-slo-ms", f"{targets.ttft_ms:g}", "--tpot-slo-ms", f"{targets.tpot_ms:g}"]
     if args.router_tpot_guard:
         out += ["--tpot-guard", args.router_tpot_guard]
     if args.router_local_first_ttft_ms is not None:
@@ -253,18 +281,18 @@ def run(args: argparse.Namespace) -> int:
         unloaded_probes=args.unloaded_probes,
         request_timeout=args.request_timeout,
         scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),
-        decode_caps=decode_caps(args.prefill_tokens_while_decoding, args.prefill_ms_while_decoding),
+        decode_caps=decode_caps(
+            args.prefill_tokens_while_decoding, args.prefill_ms_while_decoding, args.short_prompts_whole
+        ),
     )
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
     vs = variants(modes, args.prefill_chunk_budgets, planes, args.rounds)
-    router_tpot = args.router_tpot_slo_ms
-    if router_tpot is None:
-        router_tpot = 0.0 if args.slo_scale else args.slo_tpot_ms
+    targets = router_targets(args)
     spec = None
     if not args.target:
         spec = cluster_spec(args)
-        spec.coordinator_args = [*spec.coordinator_args, *router_args(args, router_tpot)]
+        spec.coordinator_args = [*spec.coordinator_args, *router_args(args, targets)]
     with BusyLoops(args.busy, args.busy_pin) as busy:
         if busy.pids:
             where = "on the bench's CPUs" if args.busy_pin is None else f"on CPUs {list(args.busy_pin)}"
@@ -281,13 +309,15 @@ def run(args: argparse.Namespace) -> int:
         "pin": {k: list(v) for k, v in args.pin.items()},
         "threads": args.threads,
         "share_idle_cores": args.share_idle_cores,
-        "router_tpot_slo_ms": None if args.target else router_tpot,
+        "router_ttft_slo_ms": None if args.target else targets.ttft_ms,
+        "router_tpot_slo_ms": None if args.target else targets.tpot_ms,
         "router_tpot_guard": args.router_tpot_guard,
         "router_local_first_ttft_ms": args.router_local_first_ttft_ms,
         "router_local_prefill_max_tokens": args.router_local_prefill_max_tokens,
         "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "prefill_ms_while_decoding": args.prefill_ms_while_decoding,
+        "short_prompts_whole": args.short_prompts_whole,
         "busy": args.busy,
         "busy_pin": None if args.busy_pin is None else list(args.busy_pin),
         "long_prefill_token_threshold": args.long_prefill_token_threshold,

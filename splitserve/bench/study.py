@@ -42,6 +42,7 @@ from splitserve.heap import freeze_heap
 BUDGET_FLAG = "--max-num-batched-tokens"  # the engine's per-step (chunked-prefill) token budget
 CAP_FLAG = "--prefill-tokens-while-decoding"  # a decode worker's prompt tokens per step beside decodes
 CAP_MS_FLAG = "--prefill-ms-while-decoding"  # the same cap in milliseconds of step time
+SHORT_WHOLE_FLAG = "--short-prompts-whole"  # the caps bound long prompts' chunks only
 
 
 CONTROL_PLANES = ("curve", "plain")  # plain: --insecure-control-plane
@@ -288,6 +289,8 @@ def run_study(
     return study
 
 
-def decode_caps(tokens: int, ms: float) -> list[str]:
-    """The decode workers' flags for the local-prefill caps (0: that cap off)."""
-    return [*([CAP_FLAG, str(tokens)] if tokens else []), *([CAP_MS_FLAG, f"{ms:g}"] if ms else [])]
+def decode_caps(tokens: int, ms: float, short_prompts_whole: bool = False) -> list[str]:
+    """The decode workers' flags for the local-prefill caps (0: that cap off), and whether they bound
+    long prompts' chunks only."""
+    caps = [*([CAP_FLAG, str(tokens)] if tokens else []), *([CAP_MS_FLAG, f"{ms:g}"] if ms else [])]
+    return [*caps, *([SHORT_WHOLE_FLAG] if short_prompts_whole else [])]

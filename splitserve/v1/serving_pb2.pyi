@@ -1142,6 +1142,7 @@ class RoutingDecision(_message.Message):
     REMOTE_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
     LOCAL_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
     LOCAL_ON_BORROWED_CORES_FIELD_NUMBER: _builtins.int
+    TTFT_TARGET_MS_FIELD_NUMBER: _builtins.int
     path: Global___PrefillPath.ValueType
     """The path taken."""
     estimated_ttft_ms: _builtins.float
@@ -1196,6 +1197,11 @@ class RoutingDecision(_message.Message):
     """local_ttft_ms priced the prompt on the decode worker's borrowed cores (its --borrow-cores fit,
     WorkerLoad.prompt_on_borrowed_cores_*): a short prompt while no prefill worker had work.
     """
+    ttft_target_ms: _builtins.float
+    """The coordinator's TTFT target (--ttft-slo-ms) a long prompt (over the decode worker's
+    --long-prefill-token-threshold) was held to: it prefills on the decode worker only when
+    remote_ttft_ms is over it; 0 = off (the lower estimate decides).
+    """
     def __init__(
         self,
         *,
@@ -1216,10 +1222,11 @@ class RoutingDecision(_message.Message):
         remote_ttft_factor: _builtins.float = ...,
         local_ttft_factor: _builtins.float = ...,
         local_on_borrowed_cores: _builtins.bool = ...,
+        ttft_target_ms: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_on_borrowed_cores", b"local_on_borrowed_cores", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_on_borrowed_cores", b"local_on_borrowed_cores", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "ttft_target_ms", b"ttft_target_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1530,6 +1537,8 @@ class WorkerLoad(_message.Message):
     PROMPT_ON_BORROWED_CORES_US_PER_TOKEN_FIELD_NUMBER: _builtins.int
     PROMPT_ON_BORROWED_CORES_BASE_MS_FIELD_NUMBER: _builtins.int
     PREFILL_TOKENS_WHILE_DECODING_ON_BORROWED_CORES_FIELD_NUMBER: _builtins.int
+    PROMPT_ON_BORROWED_CORES_SHARE_FIELD_NUMBER: _builtins.int
+    SHORT_PROMPTS_WHOLE_FIELD_NUMBER: _builtins.int
     queued_requests: _builtins.int
     """Requests waiting in the worker's queue."""
     queued_tokens: _builtins.int
@@ -1592,6 +1601,16 @@ class WorkerLoad(_message.Message):
     """prefill_tokens_while_decoding in a step on borrowed cores: --prefill-ms-while-decoding buys
     more tokens at that fit (prefill_tokens_while_decoding until it is measured).
     """
+    prompt_on_borrowed_cores_share: _builtins.float
+    """The worker's own share of a step's team on borrowed cores: its threads / (its threads + the CPUs
+    it may borrow); 0 when it borrows none. Until it has measured such steps (field 16 is 0), the
+    router prices a short prompt there at its home cost x this share, so the first ever go there.
+    """
+    short_prompts_whole: _builtins.bool
+    """--short-prompts-whole: a prompt of at most long_prefill_token_threshold tokens runs whole in the
+    step it starts in; prefill_tokens_while_decoding (and its borrowed-cores twin) caps long
+    prompts' chunks only.
+    """
     def __init__(
         self,
         *,
@@ -1613,10 +1632,12 @@ class WorkerLoad(_message.Message):
         prompt_on_borrowed_cores_us_per_token: _builtins.float = ...,
         prompt_on_borrowed_cores_base_ms: _builtins.float = ...,
         prefill_tokens_while_decoding_on_borrowed_cores: _builtins.int = ...,
+        prompt_on_borrowed_cores_share: _builtins.float = ...,
+        short_prompts_whole: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_tokens_while_decoding_on_borrowed_cores", b"prefill_tokens_while_decoding_on_borrowed_cores", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "prompt_on_borrowed_cores_base_ms", b"prompt_on_borrowed_cores_base_ms", "prompt_on_borrowed_cores_us_per_token", b"prompt_on_borrowed_cores_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_step_ms", b"decode_step_ms", "kv_transfer_ms", b"kv_transfer_ms", "long_prefill_token_threshold", b"long_prefill_token_threshold", "prefill_tokens_while_decoding", b"prefill_tokens_while_decoding", "prefill_tokens_while_decoding_on_borrowed_cores", b"prefill_tokens_while_decoding_on_borrowed_cores", "prefill_us_per_token", b"prefill_us_per_token", "prefix_cache_hit_tokens", b"prefix_cache_hit_tokens", "prefix_cache_query_tokens", b"prefix_cache_query_tokens", "prompt_beside_decodes_base_ms", b"prompt_beside_decodes_base_ms", "prompt_beside_decodes_us_per_token", b"prompt_beside_decodes_us_per_token", "prompt_on_borrowed_cores_base_ms", b"prompt_on_borrowed_cores_base_ms", "prompt_on_borrowed_cores_share", b"prompt_on_borrowed_cores_share", "prompt_on_borrowed_cores_us_per_token", b"prompt_on_borrowed_cores_us_per_token", "queued_long_tokens", b"queued_long_tokens", "queued_requests", b"queued_requests", "queued_tokens", b"queued_tokens", "running_requests", b"running_requests", "short_prompts_whole", b"short_prompts_whole", "step_base_ms", b"step_base_ms", "step_token_budget", b"step_token_budget"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

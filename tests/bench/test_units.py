@@ -133,6 +133,7 @@ def test_the_decode_cap_goes_to_decode_workers_not_to_the_tuned_colocated_baseli
     base = ClusterSpec(dtype="bfloat16")
     caps = decode_caps(16, 7.5)
     assert caps == [CAP_FLAG, "16", CAP_MS_FLAG, "7.5"] and decode_caps(0, 0) == []
+    assert decode_caps(0, 30, short_prompts_whole=True) == [CAP_MS_FLAG, "30", "--short-prompts-whole"]
     capped = variant_spec(base, Variant("conditional"), caps)
     assert capped.decode_args == caps and capped.dtype == "bfloat16"
     assert variant_spec(base, Variant("colocated", 256), caps).decode_args == [BUDGET_FLAG, "256"]
@@ -155,14 +156,19 @@ def test_router_flags_reach_the_coordinator_as_its_own() -> None:
     flags = ["--router-local-prefill-max-tokens", "2048", "--router-local-first-ttft-ms", "1500"]
     flags += ["--router-tpot-guard", "increment", "--first-token-from", "prefill"]
     args = build_parser("bench").parse_args(["bench", *flags])
-    forwarded = bench.router_args(args, 80.0)
+    forwarded = bench.router_args(args, bench.router_targets(args))
     coordinator = build_parser("coordinator").parse_args(["coordinator", "--model", "tiny", *forwarded])
     assert (coordinator.local_prefill_max_tokens, coordinator.local_first_ttft_ms) == (2048, 1500.0)
-    assert (coordinator.tpot_guard, coordinator.first_token_from, coordinator.tpot_slo_ms) == (
-        "increment", "prefill", 80.0,
-    )  # fmt: skip
-    defaults = bench.router_args(build_parser("bench").parse_args(["bench"]), 0.0)
-    assert defaults == ["--tpot-slo-ms", "0"]  # the rest stays the coordinator's own default
+    assert (coordinator.tpot_guard, coordinator.first_token_from) == ("increment", "prefill")
+    # the router's targets are the study's absolute SLO unless given; none under --slo-scale
+    assert (coordinator.ttft_slo_ms, coordinator.tpot_slo_ms) == (args.slo_ttft_ms, args.slo_tpot_ms)
+    given = build_parser("bench").parse_args(
+        ["bench", "--router-ttft-slo-ms", "0", "--router-tpot-slo-ms", "50"]
+    )
+    assert bench.router_targets(given) == Latency(0.0, 50.0)
+    scaled = build_parser("bench").parse_args(["bench", "--slo-scale", "4"])
+    defaults = bench.router_args(scaled, bench.router_targets(scaled))
+    assert defaults == ["--ttft-slo-ms", "0", "--tpot-slo-ms", "0"]  # the rest stays the coordinator's
 
 
 @pytest.mark.parametrize(

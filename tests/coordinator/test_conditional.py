@@ -22,6 +22,14 @@ from tests.coordinator.conftest import Pool, document_on_p_pool
 
 # D: 64 tokens a step, 8 running decodes (56 spare), 20 ms a decode step, 3 ms of exposed transfer
 DECODE_LOAD = {"step_token_budget": 64, "running_requests": 8, "decode_step_ms": 20.0, "kv_transfer_ms": 3.0}
+# D's own prompt fit beside its decodes (2 ms a step that carries any, 100 us a token), its cap
+# there (16 tokens a step) and its long-prompt threshold
+D_HOME_FIT = {
+    "prompt_beside_decodes_us_per_token": 100.0,
+    "prompt_beside_decodes_base_ms": 2.0,
+    "prefill_tokens_while_decoding": 16,
+    "long_prefill_token_threshold": 128,
+}
 
 
 def conditional_pool(served_model: ServedModel, p_queued_tokens: int) -> Pool:
@@ -113,6 +121,30 @@ def test_long_prompt_goes_to_the_prefill_worker_however_queued(served_model: Ser
     assert 0 < placement.local_ttft_ms < placement.remote_ttft_ms  # cheaper, but it would hold D
 
 
+@pytest.mark.parametrize(
+    ("target", "threshold", "path"),
+    [(250.0, 128, REMOTE), (200.0, 128, LOCAL), (0.0, 128, LOCAL), (250.0, 0, LOCAL), (250.0, 512, LOCAL)],
+    ids=["remote-meets-target", "remote-misses-target", "no-target", "no-threshold", "short-for-d"],
+)
+def test_a_long_prompt_holds_the_decode_worker_only_to_save_the_ttft_target(
+    served_model: ServedModel, target: float, threshold: int, path: int
+) -> None:
+    """--ttft-slo-ms: a 300-token prompt, long by D's threshold, costs D about 145 ms and P 228 (200 ms
+    of queue): it goes to P while P's estimate is within the target, and to D once it is not; a prompt
+    D would not chunk as long (no threshold, or one above it) is priced as before."""
+    pool = Pool(served_model, RoutingPolicy("conditional", 2048, ttft_slo_ms=target))
+    pool.add("p", "prefill")
+    pool.add("d", "decode", num_blocks=1000)
+    pool.report("p", queued_tokens=4000, us_per_token=50.0)
+    pool.report("d", long_prefill_token_threshold=threshold, **DECODE_LOAD)
+    placement = pool.router.place(list(range(300)))
+    assert placement is not None and placement.path == path
+    assert placement.local_ttft_ms < placement.remote_ttft_ms == pytest.approx(200.0 + 15.0 + 3.0 + 10.0)
+    assert placement.routing().ttft_target_ms == target
+    short = pool.router.place(list(range(100, 132)))  # a chat is never held to the target
+    assert short is not None and short.path == LOCAL
+
+
 def test_without_a_prefill_worker_with_room_only_short_prompts_run_on_the_decode_worker(
     served_model: ServedModel,
 ) -> None:
@@ -198,14 +230,10 @@ def test_a_short_prompt_is_priced_on_borrowed_cores_while_no_prefill_worker_has_
     P has nothing queued, a short prompt on D is priced by them; a long one (over D's threshold,
     128) keeps D's own, and so does any prompt while P has work."""
     pool = conditional_pool(served_model, p_queued_tokens=0)
-    fits = {
-        "prompt_beside_decodes_us_per_token": 100.0,
-        "prompt_beside_decodes_base_ms": 2.0,
-        "prefill_tokens_while_decoding": 16,
+    fits = D_HOME_FIT | {
         "prompt_on_borrowed_cores_us_per_token": 40.0,
         "prompt_on_borrowed_cores_base_ms": 1.0,
         "prefill_tokens_while_decoding_on_borrowed_cores": 48,
-        "long_prefill_token_threshold": 128,
     }
     pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
     short, long = list(range(48)), list(range(200))
@@ -223,6 +251,44 @@ def test_a_short_prompt_is_priced_on_borrowed_cores_while_no_prefill_worker_has_
     pool.router.commit(pool.router.place(long) or pytest.fail("no placement"))  # placed on P since
     placement = pool.router.place(short)
     assert placement is not None and not placement.local_on_borrowed_cores
+
+
+def test_a_decode_worker_that_runs_short_prompts_whole_is_priced_one_step_for_them(
+    served_model: ServedModel,
+) -> None:
+    """D caps prompt tokens beside its decodes at 16 but runs short prompts whole (threshold 128): a
+    48-token chat is one step of the 56 its decodes leave, not three of 16; a 200-token prompt's
+    chunks stay capped."""
+    pool = conditional_pool(served_model, p_queued_tokens=4000)
+    home = D_HOME_FIT
+    short, long = list(range(48)), list(range(200))
+    for whole, steps in ((False, 3), (True, 1)):
+        pool.report("d", us_per_token=50.0, short_prompts_whole=whole, **(DECODE_LOAD | home))
+        placement = pool.router.place(short)
+        assert placement is not None and placement.path == LOCAL
+        assert placement.decode_spare_tokens == (56 if whole else 16)
+        assert placement.local_ttft_ms == pytest.approx(48 * 0.1 + steps * 2.0 + steps * 20.0 + 10.0)
+        placement = pool.router.place(long)
+        assert placement is not None and placement.decode_spare_tokens == 16
+
+
+def test_before_its_first_borrowed_step_a_decode_worker_is_priced_at_its_share_of_the_team(
+    served_model: ServedModel,
+) -> None:
+    """D borrows one CPU beside its one thread (share 0.5) but has not measured a step there: a short
+    prompt is priced at its home fit x 0.5 (48 x 100 us + 3 x 2 ms, halved) with its home cap, so an
+    idle P no longer takes every chat and D gets to measure; without a share, the home price."""
+    pool = conditional_pool(served_model, p_queued_tokens=0)
+    home = D_HOME_FIT | {"prefill_tokens_while_decoding_on_borrowed_cores": 16}
+    pool.report("d", us_per_token=50.0, **(DECODE_LOAD | home))
+    short = list(range(48))
+    placement = pool.router.place(short)
+    assert placement is not None and not placement.local_on_borrowed_cores
+    assert placement.local_ttft_ms == pytest.approx(48 * 0.1 + 3 * 2.0 + 3 * 20.0 + 10.0)
+    pool.report("d", us_per_token=50.0, prompt_on_borrowed_cores_share=0.5, **(DECODE_LOAD | home))
+    placement = pool.router.place(short)
+    assert placement is not None and placement.local_on_borrowed_cores
+    assert placement.local_ttft_ms == pytest.approx((48 * 0.1 + 3 * 2.0) * 0.5 + 3 * 20.0 + 10.0)
 
 
 @pytest.mark.parametrize(("mode", "path"), [("always", REMOTE), ("never", LOCAL)], ids=["always", "never"])
@@ -243,6 +309,8 @@ def test_bad_policy_names_the_flag() -> None:
         RoutingPolicy("conditional", -1)
     with pytest.raises(ValueError, match="--local-first-ttft-ms must be >= 0"):
         RoutingPolicy("conditional", local_first_ttft_ms=float("nan"))
+    with pytest.raises(ValueError, match="--ttft-slo-ms must be >= 0"):
+        RoutingPolicy("conditional", ttft_slo_ms=-1.0)
 
 
 @pytest.fixture(scope="module")

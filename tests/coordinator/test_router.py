@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from coordinator.router import blocks_for, prefix_block_hashes
+from coordinator.router import DEFAULT_PREFILL_US_PER_TOKEN, blocks_for, prefix_block_hashes
 from coordinator.workers import STALE
 from splitserve.v1 import control_pb2, serving_pb2
 from tests.coordinator.conftest import Pool
@@ -115,24 +115,32 @@ def test_register_refusals_name_the_field(pool: Pool) -> None:
     assert (pool.registry.refusal("p", reg) or "").startswith("context_length 16")
 
 
-def test_a_worker_without_a_fitted_slope_borrows_the_pools_fit(pool: Pool) -> None:
-    """A decode worker that has only decoded reports a whole step over its few tokens (base 0: no
-    slope yet): the router costs its prompt tokens at the fitted workers' mean instead; once it has a
-    fit of its own, that."""
+def test_a_decode_worker_is_priced_by_the_prefill_workers_reports(pool: Pool) -> None:
+    """A decode worker's step report is over decodes: its average (45 ms over 6 tokens) and its slope
+    (what one more running sequence adds, 10 ms) are no prompt cost, so the router costs its prompt
+    tokens at the prefill workers' mean. A prefill worker is priced by its own report, a slope with
+    its base clamped to 0 included (it once borrowed the decode worker's 10 ms instead); a colocated
+    worker by its own fit."""
     pool.add("p1", "prefill")
     pool.add("p2", "prefill")
     pool.add("d", "decode")
+    pool.add("c", "colocated")
     pool.report("p1", us_per_token=1000.0, step_base_ms=30.0)
     pool.report("p2", us_per_token=1400.0, step_base_ms=20.0)
     pool.report("d", us_per_token=7500.0)  # 45 ms over 6 decode tokens
     cost = pool.router.cost_us_per_token
     assert cost(pool.registry.get("d")) == pytest.approx(1200.0)  # type: ignore[arg-type]
     assert cost(pool.registry.get("p1")) == pytest.approx(1000.0)  # type: ignore[arg-type]
-    pool.report("d", us_per_token=1100.0, step_base_ms=40.0)
-    assert cost(pool.registry.get("d")) == pytest.approx(1100.0)  # type: ignore[arg-type]
-    for w in ("p1", "p2", "d"):  # nobody fitted: each its own average
-        pool.report(w, us_per_token=500.0)
-    assert cost(pool.registry.get("d")) == pytest.approx(500.0)  # type: ignore[arg-type]
+    pool.report("d", us_per_token=10_000.0, step_base_ms=40.0)
+    pool.report("p2", us_per_token=1400.0)  # a slope whose base clamped to 0
+    assert cost(pool.registry.get("d")) == pytest.approx(1200.0)  # type: ignore[arg-type]
+    assert cost(pool.registry.get("p2")) == pytest.approx(1400.0)  # type: ignore[arg-type]
+    pool.report("c", us_per_token=900.0, step_base_ms=25.0)
+    assert cost(pool.registry.get("c")) == pytest.approx(900.0)  # type: ignore[arg-type]
+    assert cost(pool.registry.get("d")) == pytest.approx((1000.0 + 1400.0 + 900.0) / 3)  # type: ignore[arg-type]
+    for w in ("p1", "p2", "d", "c"):  # no reports at all: the default
+        pool.report(w)
+    assert cost(pool.registry.get("d")) == pytest.approx(DEFAULT_PREFILL_US_PER_TOKEN)  # type: ignore[arg-type]
 
 
 # P at 1 ms a token and 20 ms a step, 512 tokens a step, one 1,024-token document queued

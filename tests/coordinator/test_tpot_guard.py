@@ -70,7 +70,9 @@ def test_the_added_step_time_spreads_over_the_running_requests_tokens(served_mod
     3,032 ms of step time. A request with 60 of 64 tokens to go absorbs all of it over 63 gaps; a
     request with 2 tokens to go of 2 takes 2 x 56 tokens of it in one gap."""
     pool = guarded_pool(served_model, p_queued=200_000)  # 10 s of queue on P
-    pool.report("d", queued_tokens=3000, us_per_token=1000.0, decode_step_ms=20.0, **D_LOAD)
+    pool.report(
+        "d", queued_tokens=3000, prompt_beside_decodes_us_per_token=1000.0, decode_step_ms=20.0, **D_LOAD
+    )
 
     long_tail = pool.router.place(SHORT, lambda wid: running(1, 60, 64))
     assert long_tail is not None and long_tail.path == LOCAL
@@ -88,13 +90,25 @@ def test_the_projection_uses_the_prefill_budget_d_applies_beside_decodes(served_
     the step in flight) and a
     request with 2 tokens to go sees 2 x 8 of them; with nothing running the cap does not apply."""
     pool = guarded_pool(served_model, p_queued=200_000)
-    pool.report("d", us_per_token=1000.0, decode_step_ms=20.0, prefill_tokens_while_decoding=8, **D_LOAD)
+    pool.report(
+        "d",
+        prompt_beside_decodes_us_per_token=1000.0,
+        decode_step_ms=20.0,
+        prefill_tokens_while_decoding=8,
+        **D_LOAD,
+    )
     placement = pool.router.place(SHORT, lambda wid: running(1, 2, 2))
     assert placement is not None and placement.decode_spare_tokens == 8
     assert placement.local_ttft_ms == pytest.approx(32 * 1.0 + 4 * 20.0 + 10.0)
     assert placement.local_tpot_ms == pytest.approx(20.0 + 2 * 8 * 1.0)
     idle = {**D_LOAD, "running_requests": 0}
-    pool.report("d", us_per_token=1000.0, decode_step_ms=20.0, prefill_tokens_while_decoding=8, **idle)
+    pool.report(
+        "d",
+        prompt_beside_decodes_us_per_token=1000.0,
+        decode_step_ms=20.0,
+        prefill_tokens_while_decoding=8,
+        **idle,
+    )
     alone = pool.router.place(SHORT)
     assert alone is not None and alone.decode_spare_tokens == 64
     assert alone.local_ttft_ms == pytest.approx(32 * 1.0 + 20.0)  # idle: no step in flight to wait out
@@ -109,10 +123,10 @@ def test_the_increment_guard_refuses_only_what_pushes_a_request_over(served_mode
     pool.report("d", decode_step_ms=85.0, **D_LOAD)
     over = pool.router.place(SHORT, lambda wid: on_d)
     assert over is not None and over.path == LOCAL and over.local_tpot_ms > TARGET_MS
-    pool.report("d", us_per_token=2000.0, decode_step_ms=79.5, **D_LOAD)
+    pool.report("d", prompt_beside_decodes_us_per_token=2000.0, decode_step_ms=79.5, **D_LOAD)
     pushes = pool.router.place(SHORT, lambda wid: on_d)
     assert pushes is not None and pushes.path == REMOTE and pushes.local_pushed_over == 8
-    pool.report("d", us_per_token=2000.0, decode_step_ms=70.0, **D_LOAD)
+    pool.report("d", prompt_beside_decodes_us_per_token=2000.0, decode_step_ms=70.0, **D_LOAD)
     room = pool.router.place(SHORT, lambda wid: on_d)
     assert room is not None and room.path == LOCAL and room.local_pushed_over == 0
     with pytest.raises(ValueError, match="--tpot-guard"):
@@ -155,7 +169,7 @@ def test_the_dispatcher_counts_the_requests_it_placed_on_d(served_model: ServedM
     second would add its own and the first's prefill (400 tokens x 2 ms) to D's 70 ms steps, spread
     over the first's 63 gaps: 82.7 ms, over the 80 ms target, so it goes to P."""
     pool = guarded_pool(served_model, p_queued=1_000_000)  # 50 s of queue on P
-    pool.report("d", us_per_token=2000.0, decode_step_ms=70.0, **D_LOAD)
+    pool.report("d", prompt_beside_decodes_us_per_token=2000.0, decode_step_ms=70.0, **D_LOAD)
     metrics = CoordinatorMetrics()
     dispatcher = Dispatcher(
         RequestTable(metrics, rid_start=0), pool.registry, pool.router, metrics, lambda *_: None, max_queue=4

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.client import Client
 from splitserve.cluster import ClusterSpec, LocalCluster
 from splitserve.v1 import serving_pb2
 from tests.e2e.conftest import KEYS_ENV, assert_pools_clean, client_for, running_cluster, wait_quiescent
@@ -51,11 +52,21 @@ def _metric(cluster: LocalCluster, role: str, name: str) -> float:
     raise AssertionError(f"{name} not in {role}'s metrics")
 
 
+async def _borrowed_shares(client: Client) -> dict[int, float]:
+    return {w.role: w.load.prompt_on_borrowed_cores_share for w in (await client.pool_state()).workers}
+
+
 async def test_the_decode_worker_prefills_on_the_idle_prefill_cpu_and_is_priced_by_it(
     lending_cluster: LocalCluster, hf_greedy: Callable[[list[int], int], list[int]]
 ) -> None:
     prompts = [[(7 * i + 3 * j) % 400 + 3 for j in range(20 + i)] for i in range(4)]
     async with client_for(lending_cluster) as client:
+        # before any step there, D's prior: its one thread of the two a widened step runs
+        deadline = time.monotonic() + 30
+        while not (shares := await _borrowed_shares(client))[serving_pb2.WORKER_ROLE_DECODE]:
+            assert time.monotonic() < deadline, "the decode worker never reported its share"
+            await asyncio.sleep(0.05)  # poll interval of a bounded wait
+        assert shares == {serving_pb2.WORKER_ROLE_PREFILL: 0.0, serving_pb2.WORKER_ROLE_DECODE: 0.5}
         done = []
         for prompt in prompts:  # one at a time: the prefill worker idles throughout
             done.append(await client.complete(prompt, max_tokens=5, temperature=0.0))

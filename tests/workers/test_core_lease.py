@@ -123,8 +123,16 @@ def test_a_worker_cannot_borrow_its_own_cpus(lease_dir: Path) -> None:
 
 def test_without_cpu_kernels_nothing_is_borrowed(lease_dir: Path) -> None:
     borrower = CoreLeases(str(lease_dir), lend=False, borrow=(0,), place_team=None, home=[1])
-    assert not borrower.borrows and borrower.borrow() == []
+    assert not borrower.borrows and borrower.borrow() == [] and borrower.widened_share == 0.0
     borrower.close()
+
+
+def test_the_share_of_a_widened_team_counts_one_thread_a_borrowable_cpu(lease_dir: Path) -> None:
+    borrower, lender = leases(lease_dir, borrow=(0, 2), home=1), leases(lease_dir, lend=True, home=0)
+    threads = borrower.home_threads
+    assert borrower.widened_share == pytest.approx(threads / (threads + 2)) and lender.widened_share == 0.0
+    borrower.close()
+    lender.close()
 
 
 def _thread_cpus() -> list[str]:

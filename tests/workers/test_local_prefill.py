@@ -94,6 +94,47 @@ def test_a_prefill_beside_decodes_stays_within_prefill_tokens_while_decoding(loa
     assert capped == uncapped
 
 
+def test_short_prompts_whole_leave_the_cap_to_long_prompts_chunks(loaded: LoadedModel) -> None:
+    """Cap 6 beside decodes, threshold 16, `short_prompts_whole`: a 12-token prompt arriving beside
+    two decodes runs whole in one step (one gap for them, not two), while a 40-token prompt's chunks
+    stay within the cap; without it the short prompt takes two capped steps. The outputs are the
+    same; a config asking for it without a threshold is refused, naming what is missing."""
+
+    def run(whole: bool) -> tuple[dict[str, list[int]], list[dict[str, int]]]:
+        config = EngineConfig(
+            block_size=4,
+            num_blocks=128,
+            max_num_batched_tokens=64,
+            prefill_tokens_while_decoding=6,
+            long_prefill_token_threshold=16,
+            short_prompts_whole=whole,
+        )
+        engine = LLMEngine(loaded, config)
+        rng = random.Random(5)
+        decodes = join_decodes(engine, rng, 30, 30)
+        prompts = [engine.add_request(f"p{n}", random_prompt(rng, n), GREEDY) for n in (12, 40)]
+        steps = []  # prompt tokens per request, in steps that carry a decode
+        while any(p.num_output_tokens == 0 for p in prompts):
+            out = engine.schedule()
+            chunks = {i.seq.request_id: i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk}
+            if any(not i.is_prompt_chunk for i in out.scheduled):
+                steps.append(chunks)
+            engine.finish_step(out, engine.execute(out))
+        while engine.has_unfinished():
+            engine.step()
+        engine.pool.check_integrity()
+        return {s.request_id: s.output_token_ids for s in decodes + prompts}, steps
+
+    outputs, steps = run(whole=True)
+    assert steps[0] == {"p12": 12}  # whole, the long prompt waiting that step
+    assert all(step.get("p40", 0) <= 6 for step in steps) and sum(s.get("p40", 0) for s in steps) == 40, steps
+    capped, capped_steps = run(whole=False)
+    assert [step.get("p12", 0) for step in capped_steps[:2]] == [6, 6]
+    assert outputs == capped
+    with pytest.raises(ValueError, match="short_prompts_whole needs long_prefill_token_threshold > 0"):
+        EngineConfig(short_prompts_whole=True)
+
+
 def test_the_time_cap_turns_the_measured_prompt_token_cost_into_tokens(loaded: LoadedModel) -> None:
     """`prefill_ms_while_decoding` 12: no cap until a step with prompt tokens beside decodes is
     timed. Prompt tokens add 3 ms a step plus 2 ms each to the decode steps' 10 ms: one step of 40

@@ -84,3 +84,21 @@ def test_a_bad_core_lease_setting_fails_before_the_model_loads(tmp_path: Path) -
     assert out.returncode == 2
     assert "bad core lease settings" in out.stderr and "are this worker's own" in out.stderr
     assert "no-model" not in out.stderr  # it never got as far as the model
+
+
+def test_short_prompts_whole_needs_a_threshold(tmp_path: Path) -> None:
+    """`--short-prompts-whole` says what a short prompt is only with `--long-prefill-token-threshold`:
+    alone it is refused before anything starts, naming the flag to add; with it, it reaches the engine."""
+    args = ["--model", str(tmp_path / "no-model"), "--coordinator", "127.0.0.1:1", "--insecure-control-plane"]
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "decode", *args, "--short-prompts-whole"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "needs long_prefill_token_threshold > 0" in out.stderr
+    assert "Traceback" not in out.stderr
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, with_mode=True)
+    flags = [*args, "--worker-id", "w", "--short-prompts-whole", "--long-prefill-token-threshold", "128"]
+    assert settings_from_args(parser.parse_args(flags), "decode").engine.short_prompts_whole
