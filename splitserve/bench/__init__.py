@@ -257,6 +257,8 @@ def _usage_error(args: argparse.Namespace) -> str:
         return f"--scale-rate {args.scale_rate:g} is not one of --rates"
     if args.target and args.modes and len(args.modes) > 1:
         return "--target is one running server: several --modes need local clusters (drop --target)"
+    if args.short_prompts_whole and not args.long_prefill_token_threshold.get("decode"):
+        return "--short-prompts-whole needs the decode workers' threshold: add --long-prefill-token-threshold"
     return ""
 
 

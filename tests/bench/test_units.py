@@ -211,6 +211,11 @@ def test_bad_flags_are_usage_errors(
             "start local clusters: drop --target",
         ),
         (["--target", "127.0.0.1:1", "--modes", "colocated,disaggregated"], "several --modes need local"),
+        (["--short-prompts-whole"], "--short-prompts-whole needs the decode workers' threshold"),
+        (
+            ["--short-prompts-whole", "--long-prefill-token-threshold", "prefill=256"],
+            "add --long-prefill-token-threshold",
+        ),
     ],
 )
 def test_contradicting_flags_stop_before_any_cluster(
