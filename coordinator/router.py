@@ -58,7 +58,8 @@ worker prefills the prompt itself, in chunks of the step budget its running deco
     D's chat above what it took; tried in session 26, not kept)
     spare = its step token budget - its running sequences (one decode token each per step), at most
             its prefill_tokens_while_decoding while any runs (the same cap D's scheduler applies;
-            none for a short prompt on a worker that runs them whole, `--short-prompts-whole`)
+            none for a prompt short by its whole length on a worker that runs those whole,
+            `--short-prompts-whole`)
 
 where the prompt cost a token and base are what D reports of prompt tokens *beside its decodes*
 (`prompt_beside_decodes_*`: the fit its own time cap uses, a fixed part per step that carries prompt
@@ -321,8 +322,8 @@ class Router:
         cap = load.prefill_tokens_while_decoding
         if borrowed and load.prefill_tokens_while_decoding_on_borrowed_cores:
             cap = load.prefill_tokens_while_decoding_on_borrowed_cores
-        if load.short_prompts_whole and not long_prompt(load.long_prefill_token_threshold, own):
-            cap = 0  # its caps bound long prompts' chunks only
+        if load.short_prompts_whole and not long_prompt(load.long_prefill_token_threshold, len(token_ids)):
+            cap = 0  # its caps bound long prefills' chunks only, long by their whole length as there
         spare = prefill_budget(load.step_token_budget, cap, load.running_requests)
         if spare <= 0:
             return None

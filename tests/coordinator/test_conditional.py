@@ -258,7 +258,7 @@ def test_a_decode_worker_that_runs_short_prompts_whole_is_priced_one_step_for_th
 ) -> None:
     """D caps prompt tokens beside its decodes at 16 but runs short prompts whole (threshold 128): a
     48-token chat is one step of the 56 its decodes leave, not three of 16; a 200-token prompt's
-    chunks stay capped."""
+    chunks stay capped, and so do a 400-token prompt's last 48 when D has the rest cached."""
     pool = conditional_pool(served_model, p_queued_tokens=4000)
     home = D_HOME_FIT
     short, long = list(range(48)), list(range(200))
@@ -270,6 +270,16 @@ def test_a_decode_worker_that_runs_short_prompts_whole_is_priced_one_step_for_th
         assert placement.local_ttft_ms == pytest.approx(48 * 0.1 + steps * 2.0 + steps * 20.0 + 10.0)
         placement = pool.router.place(long)
         assert placement is not None and placement.decode_spare_tokens == 16
+    # long by its whole length, as D's scheduler judges it, however much of it D has cached: its 48
+    # uncached tokens run capped there, so they are priced capped
+    cached = list(range(400))
+    pool.report(
+        "d", us_per_token=50.0, short_prompts_whole=True,
+        stored=prefix_block_hashes(cached, 16, pool.model.identity)[:22], **(DECODE_LOAD | home),
+    )  # fmt: skip
+    placement = pool.router.place(cached)
+    assert placement is not None and placement.uncached_tokens == 48
+    assert placement.decode_spare_tokens == 16
 
 
 def test_before_its_first_borrowed_step_a_decode_worker_is_priced_at_its_share_of_the_team(
