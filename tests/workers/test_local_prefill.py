@@ -116,6 +116,7 @@ def test_short_prompts_whole_leave_the_cap_to_long_prompts_chunks(loaded: Loaded
         steps = []  # prompt tokens per request, in steps that carry a decode
         while any(p.num_output_tokens == 0 for p in prompts):
             out = engine.schedule()
+            assert out.num_tokens <= 64  # past the caps, never past the step budget
             chunks = {i.seq.request_id: i.num_new_tokens for i in out.scheduled if i.is_prompt_chunk}
             if any(not i.is_prompt_chunk for i in out.scheduled):
                 steps.append(chunks)
