@@ -54,24 +54,25 @@ bench: setup
 kvbench: setup
 	$(BIN)/kvbench run --backend ucx,tcp
 
-# issue 12's serving study (docs/performance.md), the command of sessions 19-20's measurements: the
+# issue 12's serving study (docs/performance.md), the command of sessions 29-30's measurements: the
 # docs-chats mix in bfloat16 (every mode), each mode on its own cluster, the colocated baseline tuned
 # over chunk budgets; 48 requests a rate; the coordinator, the client and P on core 0 and D alone
-# on core 1 (colocated on both); conditional holds D to the 80 ms TPOT SLO and D's local prefill to
-# 64 tokens and 5 ms of step time beside its decodes (5 against 8 ms in an A B A B: lower ITL p99 at
-# five of six points, TTFT p50 the same; session 20); one long prompt at a time, its chunk capped at
-# 256 tokens on P (no decodes there) and 128 where decodes run, short prompts first with the long
-# one keeping a block of their step; D pulls the KV over UCX. About 20 minutes on a quiet 2-core
-# box; STUDY_ARGS adds or overrides flags (e.g. `STUDY_ARGS="--rounds 2"`).
+# on core 1 (colocated on both). Conditional: D's prompt tokens beside its decodes capped at 30 ms of
+# step time, short prompts (by D's threshold, 128) whole, long ones there only when P's estimate is
+# over the 3 s TTFT target (documents up to 2,048 tokens), and D's prompt steps on P's core while P
+# idles; one long prompt at a time, its chunk capped at 256 tokens on P and 128 where decodes run;
+# D pulls the KV over UCX. About 25 minutes on a quiet 2-core box; STUDY_ARGS adds or overrides flags
+# (e.g. `STUDY_ARGS="--rounds 2"`).
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
 STUDY_ARGS  ?=
 study: setup
 	taskset -c 0 $(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256 \
-		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2 \
+		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2,2.5 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 1 \
 		--pin coordinator=0,prefill=0,decode=1,colocated=0-1 --threads prefill=1,decode=1,colocated=2 \
-		--prefill-tokens-while-decoding 64 --prefill-ms-while-decoding 5 \
+		--prefill-tokens-while-decoding 0 --prefill-ms-while-decoding 30 --router-local-prefill-max-tokens 2048 \
+		--short-prompts-whole --share-idle-cores \
 		--long-prefill-token-threshold prefill=256,decode=128,colocated=128 \
 		--transfer-backend ucx \
 		--json $(STUDY_OUT)/study.json --plots $(STUDY_OUT) $(STUDY_ARGS)

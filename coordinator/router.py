@@ -74,7 +74,13 @@ such a step it reports its own share of their team (`prompt_on_borrowed_cores_sh
 2 is 0.5) and the home price times that is the prior: without one the router priced an unmeasured
 D at home, sent every chat to an idle P, and D never borrowed to measure (session 29: 31 of 36
 chats at 0.5 req/s shipped, TTFT p50 122 ms). A long prompt keeps the
-home fit: the decode worker computes it on its own cores (engine/worker/stepper.py).
+home fit: the decode worker computes it on its own cores (engine/worker/stepper.py). The lender pays
+for it: a prefill worker with no work of its own, while a decode worker has short prompts queued or
+placed on the borrowed cores, first waits out one such step to take its cores back (a claim waits
+for at most one borrowed step), so its queue is that step: those prompt tokens at the borrowed fit
+plus a decode step (`claim_wait_ms`). Without it a chat arriving just behind another that went to D
+was priced at an idle P and shipped, then queued 11-59 ms for P's core (session 29: 155-165 ms
+against 65 for its neighbour).
 
 A long prompt (over the worker's threshold T) is priced as counted times the worker's learned
 factor for that path, observed / estimated over its recent long prompts (coordinator/ttft_calibration.py):
@@ -377,19 +383,41 @@ class Router:
             + steps * load.prompt_beside_decodes_base_ms
         )
 
+    def claim_wait_ms(self, prefill: WorkerInfo) -> float:
+        """What `prefill`, with no prompt work of its own, waits to take its cores back before its
+        first step (module doc): the longest step of short prompts a decode worker computes on
+        borrowed cores, queued or placed there since; 0 for any other worker."""
+        if prefill.role != PREFILL or not self._prefill_workers_idle():
+            return 0.0
+        waits = [0.0]
+        for decode in self.registry.ready():
+            load = decode.load
+            short = (
+                load.queued_tokens
+                - load.queued_long_tokens
+                + decode.pending_tokens
+                - decode.pending_long_tokens
+            )
+            if decode.role == DECODE and short > 0 and _borrows(decode):
+                tokens = min(short, load.step_token_budget or short)
+                waits.append(self.local_prompt_ms(decode, tokens, 1, True) + _decode_step_ms(decode))
+        return max(waits)
+
+    def _prefill_workers_idle(self) -> bool:
+        """No READY prefill worker has prompt work, reported or placed since: their cores are free
+        to borrow (module doc)."""
+        return not any(
+            w.load.queued_tokens + w.pending_tokens for w in self.registry.ready() if w.role == PREFILL
+        )
+
     def on_borrowed_cores(self, decode: WorkerInfo, uncached: int) -> bool:
         """Whether `decode` prefills a prompt of `uncached` tokens on borrowed cores (module doc): it
         borrows (it reports a fit of such steps, or its share of their team before it has one), the
         prompt is short by its threshold, and no READY prefill worker has prompt work, reported or
         placed since (their cores are free)."""
-        load = decode.load
-        if load.prompt_on_borrowed_cores_us_per_token <= 0 and load.prompt_on_borrowed_cores_share <= 0:
+        if not _borrows(decode) or long_prompt(decode.load.long_prefill_token_threshold, uncached):
             return False
-        if long_prompt(load.long_prefill_token_threshold, uncached):
-            return False
-        return not any(
-            w.load.queued_tokens + w.pending_tokens for w in self.registry.ready() if w.role == PREFILL
-        )
+        return self._prefill_workers_idle()
 
     def estimate_tpot(
         self, decode: WorkerInfo, est: LocalEstimate, running: Sequence[RunningDecode]
@@ -486,8 +514,9 @@ class Router:
             if worker.does_prefill:
                 ttft, cached = self.estimate_ttft(worker, token_ids, hashes)
                 factor = self.long_ttft_factor(worker, len(token_ids) - cached, REMOTE)  # colocated: 1
-                options.append((ttft * factor, worker.worker_id, worker, cached, factor))
-        for ttft, _, prefill, cached, factor in sorted(options, key=lambda o: (o[0], o[1])):
+                claim = self.claim_wait_ms(worker)
+                options.append((ttft * factor + claim, worker.worker_id, worker, cached, factor, claim))
+        for ttft, _, prefill, cached, factor, claim in sorted(options, key=lambda o: (o[0], o[1])):
             if prefill.role == COLOCATED:
                 fits = prefill.free_blocks_estimate >= blocks_for(len(token_ids), prefill.block_size)
                 decode = prefill if fits else None
@@ -500,7 +529,7 @@ class Router:
             if prefill is decode:
                 return Placement(prefill, decode, cached, uncached, ttft, needed, COLOCATED_PATH)
             transfer = decode.load.kv_transfer_ms
-            queue_ms = self.compute_ms(prefill, prefill.load.queued_tokens + prefill.pending_tokens)
+            queue_ms = self.compute_ms(prefill, prefill.load.queued_tokens + prefill.pending_tokens) + claim
             total = ttft + transfer * factor
             if self.policy.first_token_from == "decode":  # token 1 streams at D's next step boundary
                 total += _step_in_flight_ms(decode) * factor
@@ -682,6 +711,13 @@ def _prices_prompts(worker: WorkerInfo) -> bool:
     if load.prefill_us_per_token <= 0:
         return False
     return worker.role == PREFILL or (worker.role == COLOCATED and load.step_base_ms > 0)
+
+
+def _borrows(decode: WorkerInfo) -> bool:
+    """Whether `decode` runs short prompts' steps on borrowed cores: it reports a fit of such steps,
+    or its share of their team before it has one."""
+    load = decode.load
+    return load.prompt_on_borrowed_cores_us_per_token > 0 or load.prompt_on_borrowed_cores_share > 0
 
 
 def _decode_step_ms(decode: WorkerInfo) -> float:

@@ -9,9 +9,12 @@ decode blocks and prefill tokens), so a burst of placements does not all land on
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+import structlog
 
 from coordinator.served_model import ServedModel
 from splitserve.v1 import control_pb2, serving_pb2
@@ -28,6 +31,8 @@ READY, DRAINING, STALE = (
     serving_pb2.WORKER_HEALTH_STALE,
 )
 _LAYOUT_FIELDS = ("dtype", "num_layers", "block_size", "num_kv_heads", "head_dim", "order")
+
+log = structlog.get_logger(__name__)
 
 
 @dataclass(slots=True, eq=False)
@@ -47,6 +52,7 @@ class WorkerInfo:
     pending_long_tokens: int = 0  # of those, prompts over its long_prefill_token_threshold
     # path -> (when, observed / estimated) of its last long prompts' first tokens (ttft_calibration.py)
     long_ttft_ratios: dict[int, deque[tuple[float, float]]] = field(default_factory=dict)
+    load_refused: str | None = None  # why its last report's load was not applied (`load_refusal`)
 
     def __post_init__(self) -> None:
         n = self.register.num_blocks
@@ -192,7 +198,12 @@ class WorkerRegistry:
         info.health = DRAINING if hb.health == DRAINING else READY
         info.apply_prefix_events(hb.prefix_cache, contiguous=hb.seq == info.heartbeat_seq + 1)
         info.heartbeat_seq = hb.seq
-        info.apply_report(hb.pool, hb.load)
+        refused = load_refusal(hb.load)
+        if refused is None:
+            info.apply_report(hb.pool, hb.load)
+        elif refused != info.load_refused:  # once per reason, not every heartbeat
+            log.warning("worker load refused: routing keeps its last report", worker=sender, why=refused)
+        info.load_refused = refused
         return info
 
     def sweep(self, now: float) -> list[WorkerInfo]:
@@ -223,6 +234,27 @@ class WorkerRegistry:
             return True
         decode_layouts = {w.layout_hash for w in ready if w.role == DECODE}
         return any(w.role == PREFILL and w.layout_hash in decode_layouts for w in ready)
+
+
+def load_refusal(load: serving_pb2.WorkerLoad) -> str | None:
+    """Why the router cannot price by `load` (naming the field), or None: every cost and time a
+    finite number >= 0 (a NaN compares false both ways and would pick a path at random, an infinity
+    or a negative cost would always win or lose), a share of a team at most 1, and the long prompts'
+    tokens among the queued ones."""
+    for fd in load.DESCRIPTOR.fields:
+        value = getattr(load, fd.name)
+        if fd.type == fd.TYPE_DOUBLE and not (math.isfinite(value) and value >= 0):
+            return f"WorkerLoad.{fd.name} is {value!r}: give a finite number >= 0"
+    if load.prompt_on_borrowed_cores_share > 1:
+        return (
+            f"WorkerLoad.prompt_on_borrowed_cores_share is {load.prompt_on_borrowed_cores_share!r}: at most 1"
+        )
+    if load.queued_long_tokens > load.queued_tokens:
+        return (
+            f"WorkerLoad.queued_long_tokens ({load.queued_long_tokens}) is over queued_tokens "
+            f"({load.queued_tokens}): they are counted among them"
+        )
+    return None
 
 
 def _pairs(role_a: serving_pb2.WorkerRole.ValueType, role_b: serving_pb2.WorkerRole.ValueType) -> bool:

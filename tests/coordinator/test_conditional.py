@@ -30,6 +30,12 @@ D_HOME_FIT = {
     "prefill_tokens_while_decoding": 16,
     "long_prefill_token_threshold": 128,
 }
+# and on borrowed cores: 1 ms a step, 40 us a token, 48 tokens a step under its cap there
+D_BORROWED_FIT = D_HOME_FIT | {
+    "prompt_on_borrowed_cores_us_per_token": 40.0,
+    "prompt_on_borrowed_cores_base_ms": 1.0,
+    "prefill_tokens_while_decoding_on_borrowed_cores": 48,
+}
 
 
 def conditional_pool(served_model: ServedModel, p_queued_tokens: int) -> Pool:
@@ -230,11 +236,7 @@ def test_a_short_prompt_is_priced_on_borrowed_cores_while_no_prefill_worker_has_
     P has nothing queued, a short prompt on D is priced by them; a long one (over D's threshold,
     128) keeps D's own, and so does any prompt while P has work."""
     pool = conditional_pool(served_model, p_queued_tokens=0)
-    fits = D_HOME_FIT | {
-        "prompt_on_borrowed_cores_us_per_token": 40.0,
-        "prompt_on_borrowed_cores_base_ms": 1.0,
-        "prefill_tokens_while_decoding_on_borrowed_cores": 48,
-    }
+    fits = D_BORROWED_FIT
     pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
     short, long = list(range(48)), list(range(200))
     placement = pool.router.place(short)  # one step of 48
@@ -251,6 +253,36 @@ def test_a_short_prompt_is_priced_on_borrowed_cores_while_no_prefill_worker_has_
     pool.router.commit(pool.router.place(long) or pytest.fail("no placement"))  # placed on P since
     placement = pool.router.place(short)
     assert placement is not None and not placement.local_on_borrowed_cores
+
+
+def test_an_idle_prefill_worker_is_priced_behind_the_borrowed_step_it_must_wait_out(
+    served_model: ServedModel,
+) -> None:
+    """While D has a short prompt placed on the borrowed cores, an idle P's estimate begins with that
+    step (48 tokens at 40 us + 1 ms, and a 20 ms decode step): its claim waits for it. D's long
+    prompts (computed at home) cost P nothing, nor does anything once P has work of its own (its
+    cores are then its own, D computes at home)."""
+    pool = conditional_pool(served_model, p_queued_tokens=0)
+    fits = D_BORROWED_FIT
+    pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
+    pool.report("p", us_per_token=1000.0)  # 48 ms for the chat: D's 32.9 on borrowed cores wins
+    p = pool.registry.get("p")
+    assert p is not None
+    first = pool.router.place(list(range(48)))
+    assert first is not None and first.path == LOCAL and first.local_on_borrowed_cores
+    assert pool.router.claim_wait_ms(p) == 0.0
+    pool.router.commit(first)
+    assert pool.router.claim_wait_ms(p) == pytest.approx(48 * 0.04 + 1.0 + 20.0)
+    second = pool.router.place(list(range(1000, 1048)))
+    assert second is not None
+    assert second.remote_ttft_ms == pytest.approx(first.remote_ttft_ms + 48 * 0.04 + 1.0 + 20.0)
+    assert second.prefill_queue_ms == pytest.approx(48 * 0.04 + 1.0 + 20.0)
+    pool.report("d", us_per_token=50.0, queued_tokens=200, queued_long_tokens=200, **(DECODE_LOAD | fits))
+    assert pool.router.claim_wait_ms(p) == 0.0  # a long prompt's chunks stay on D's own cores
+    pool.report("d", us_per_token=50.0, queued_tokens=48, **(DECODE_LOAD | fits))
+    assert pool.router.claim_wait_ms(p) > 0
+    pool.report("p", queued_tokens=64, us_per_token=1000.0)
+    assert pool.router.claim_wait_ms(p) == 0.0
 
 
 def test_a_decode_worker_that_runs_short_prompts_whole_is_priced_one_step_for_them(

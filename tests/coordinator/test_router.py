@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from coordinator.router import DEFAULT_PREFILL_US_PER_TOKEN, blocks_for, prefix_block_hashes
@@ -71,6 +73,35 @@ def test_a_lost_heartbeat_forgets_the_prefix_view(pool: Pool) -> None:
     assert pool.router.estimate_ttft(pool.registry.get("p"), prompt)[1] == 48  # type: ignore[arg-type]
     pool.report("p", seq=5)  # seq 2..4 lost: the partial event stream is not trusted
     assert pool.router.estimate_ttft(pool.registry.get("p"), prompt)[1] == 0  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("prefill_us_per_token", math.nan),
+        ("decode_step_ms", math.inf),
+        ("kv_transfer_ms", -1.0),
+        ("prompt_on_borrowed_cores_share", 2.0),
+        ("queued_long_tokens", 9),
+    ],
+)
+def test_a_load_the_router_cannot_price_by_is_refused_and_the_last_one_kept(
+    pool: Pool, name: str, value: float
+) -> None:
+    """A worker's heartbeat still proves it alive, but a load with a NaN, infinite or negative cost,
+    a share over 1 or more long tokens than queued ones is not applied (NaN estimates compare false
+    both ways): the router keeps pricing by the last sound report until the next one."""
+    pool.pair()
+    p = pool.registry.get("p")
+    assert p is not None
+    pool.report("p", queued_tokens=5, us_per_token=50.0)
+    bad = {"us_per_token": value} if name == "prefill_us_per_token" else {"us_per_token": 50.0, name: value}
+    pool.report("p", queued_tokens=8, now=7.0, **bad)
+    assert p.last_seen == 7.0 and p.load.queued_tokens == 5 and p.load.prefill_us_per_token == 50.0
+    assert p.load_refused is not None and f"WorkerLoad.{name}" in p.load_refused
+    assert pool.router.estimate_ttft(p, list(range(10)))[0] == pytest.approx((5 + 10) * 0.05)
+    pool.report("p", queued_tokens=8, us_per_token=50.0)
+    assert p.load.queued_tokens == 8 and p.load_refused is None
 
 
 def test_stale_workers_and_unpaired_layouts_get_no_work(pool: Pool) -> None:

@@ -29,8 +29,9 @@ REMOTE, LOCAL = serving_pb2.PREFILL_PATH_REMOTE, serving_pb2.PREFILL_PATH_LOCAL
 def conditional_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     """1 prefill worker computing 8 tokens a step (so three long prompts queue on it for a while) and
     1 decode worker with a 32-token step budget, over TCP. D's per-role threshold (64) is above every
-    prompt it takes (LOCAL_MAX), so it only shows that each role gets its own. A shipped request's
-    first token streams as P samples it (`--first-token-from prefill`)."""
+    prompt it takes (LOCAL_MAX): each role gets its own, and D runs each of its prompts whole beside
+    its decodes (`--short-prompts-whole`) where its cap would give them 4 tokens a step. A shipped
+    request's first token streams as P samples it (`--first-token-from prefill`)."""
     spec = ClusterSpec(
         model=str(model_dir),
         mode="conditional",
@@ -42,7 +43,10 @@ def conditional_cluster(model_dir: Path, tmp_path_factory: pytest.TempPathFactor
             *("--first-token-from", "prefill"),  # the e2e cluster of test_serving.py streams it from D
         ],
         prefill_args=["--block-size", "4", "--max-num-batched-tokens", "8"],
-        decode_args=["--block-size", "4", "--max-num-batched-tokens", "32"],
+        decode_args=[
+            *("--block-size", "4", "--max-num-batched-tokens", "32"),
+            *("--prefill-tokens-while-decoding", "4", "--short-prompts-whole"),
+        ],
     )
     yield from running_cluster(spec, tmp_path_factory.mktemp("conditional"))
 
@@ -80,9 +84,10 @@ async def test_the_decision_follows_the_estimates_and_the_output_is_greedy(
         warm = await client.complete(shorts[0][:6], max_tokens=4, temperature=0.0)  # costs measured
         await _until(client, lambda s: all(w.load.step_token_budget for w in s.workers))
         assert warm.token_ids == hf_greedy(shorts[0][:6], 4)
-        thresholds = {
-            w.role: w.load.long_prefill_token_threshold for w in (await client.pool_state()).workers
-        }
+        workers = (await client.pool_state()).workers
+        thresholds = {w.role: w.load.long_prefill_token_threshold for w in workers}
+        whole = {w.role: w.load.short_prompts_whole for w in workers}
+        assert whole == {serving_pb2.WORKER_ROLE_PREFILL: False, serving_pb2.WORKER_ROLE_DECODE: True}
         assert thresholds == {
             serving_pb2.WORKER_ROLE_PREFILL: 0,
             serving_pb2.WORKER_ROLE_DECODE: DECODE_THRESHOLD,
