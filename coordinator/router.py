@@ -77,8 +77,9 @@ chats at 0.5 req/s shipped, TTFT p50 122 ms). A long prompt keeps the
 home fit: the decode worker computes it on its own cores (engine/worker/stepper.py). The lender pays
 for it: a prefill worker with no work of its own, while a decode worker has short prompts queued or
 placed on the borrowed cores, first waits out one such step to take its cores back (a claim waits
-for at most one borrowed step), so its queue is that step: those prompt tokens at the borrowed fit
-plus a decode step (`claim_wait_ms`). Without it a chat arriving just behind another that went to D
+for at most one borrowed step), so its queue is one such step: as many of those tokens as one step of
+D's carries there (`spare`, on borrowed cores), at the borrowed fit, plus a decode step
+(`claim_wait_ms`). Without it a chat arriving just behind another that went to D
 was priced at an idle P and shipped, then queued 11-59 ms for P's core (session 29: 155-165 ms
 against 65 for its neighbour).
 
@@ -325,12 +326,7 @@ class Router:
         cached = self.cached_tokens(decode, token_ids, hashes)
         own = len(token_ids) - cached
         borrowed = self.on_borrowed_cores(decode, own)
-        cap = load.prefill_tokens_while_decoding
-        if borrowed and load.prefill_tokens_while_decoding_on_borrowed_cores:
-            cap = load.prefill_tokens_while_decoding_on_borrowed_cores
-        if load.short_prompts_whole and not long_prompt(load.long_prefill_token_threshold, len(token_ids)):
-            cap = 0  # its caps bound long prefills' chunks only, long by their whole length as there
-        spare = prefill_budget(load.step_token_budget, cap, load.running_requests)
+        spare = _spare_tokens(decode, borrowed, len(token_ids))
         if spare <= 0:
             return None
         work = load.queued_tokens + decode.pending_tokens + own
@@ -399,7 +395,7 @@ class Router:
                 - decode.pending_long_tokens
             )
             if decode.role == DECODE and short > 0 and _borrows(decode):
-                tokens = min(short, load.step_token_budget or short)
+                tokens = min(short, max(_spare_tokens(decode, True, 0), 0))  # one step's
                 waits.append(self.local_prompt_ms(decode, tokens, 1, True) + _decode_step_ms(decode))
         return max(waits)
 
@@ -711,6 +707,20 @@ def _prices_prompts(worker: WorkerInfo) -> bool:
     if load.prefill_us_per_token <= 0:
         return False
     return worker.role == PREFILL or (worker.role == COLOCATED and load.step_base_ms > 0)
+
+
+def _spare_tokens(decode: WorkerInfo, borrowed: bool, prompt_len: int) -> int:
+    """Prompt tokens a step of `decode` carries beside its running decodes (module doc: `spare`), on
+    borrowed cores or at home; for a prompt of `prompt_len` tokens (by its whole length, as its
+    scheduler judges it), uncapped when it runs short prompts whole and that one is short (a short
+    prompt's length, e.g. 0, for any of those)."""
+    load = decode.load
+    cap = load.prefill_tokens_while_decoding
+    if borrowed and load.prefill_tokens_while_decoding_on_borrowed_cores:
+        cap = load.prefill_tokens_while_decoding_on_borrowed_cores
+    if load.short_prompts_whole and not long_prompt(load.long_prefill_token_threshold, prompt_len):
+        cap = 0  # its caps bound long prefills' chunks only
+    return prefill_budget(load.step_token_budget, cap, load.running_requests)
 
 
 def _borrows(decode: WorkerInfo) -> bool:

@@ -259,9 +259,10 @@ def test_an_idle_prefill_worker_is_priced_behind_the_borrowed_step_it_must_wait_
     served_model: ServedModel,
 ) -> None:
     """While D has a short prompt placed on the borrowed cores, an idle P's estimate begins with that
-    step (48 tokens at 40 us + 1 ms, and a 20 ms decode step): its claim waits for it. D's long
-    prompts (computed at home) cost P nothing, nor does anything once P has work of its own (its
-    cores are then its own, D computes at home)."""
+    step (48 tokens at 40 us + 1 ms, and a 20 ms decode step): its claim waits for it, one step as D
+    cuts it (its cap there, or a short prompt whole). D's long prompts (computed at home) cost P
+    nothing, nor does anything once P has work of its own (its cores are then its own, D computes at
+    home)."""
     pool = conditional_pool(served_model, p_queued_tokens=0)
     fits = D_BORROWED_FIT
     pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
@@ -279,8 +280,11 @@ def test_an_idle_prefill_worker_is_priced_behind_the_borrowed_step_it_must_wait_
     assert second.prefill_queue_ms == pytest.approx(48 * 0.04 + 1.0 + 20.0)
     pool.report("d", us_per_token=50.0, queued_tokens=200, queued_long_tokens=200, **(DECODE_LOAD | fits))
     assert pool.router.claim_wait_ms(p) == 0.0  # a long prompt's chunks stay on D's own cores
-    pool.report("d", us_per_token=50.0, queued_tokens=48, **(DECODE_LOAD | fits))
-    assert pool.router.claim_wait_ms(p) > 0
+    pool.report("d", us_per_token=50.0, queued_tokens=96, **(DECODE_LOAD | fits))
+    assert pool.router.claim_wait_ms(p) == pytest.approx(48 * 0.04 + 1.0 + 20.0)  # one step: the cap's 48
+    whole = DECODE_LOAD | fits | {"short_prompts_whole": True}
+    pool.report("d", us_per_token=50.0, queued_tokens=50, **whole)
+    assert pool.router.claim_wait_ms(p) == pytest.approx(50 * 0.04 + 1.0 + 20.0)  # whole: all 50
     pool.report("p", queued_tokens=64, us_per_token=1000.0)
     assert pool.router.claim_wait_ms(p) == 0.0
 
