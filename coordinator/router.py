@@ -379,11 +379,12 @@ class Router:
             + steps * load.prompt_beside_decodes_base_ms
         )
 
-    def claim_wait_ms(self, prefill: WorkerInfo) -> float:
-        """What `prefill`, with no prompt work of its own, waits to take its cores back before its
-        first step (module doc): the longest step of short prompts a decode worker computes on
-        borrowed cores, queued or placed there since; 0 for any other worker."""
-        if prefill.role != PREFILL or not self._prefill_workers_idle():
+    def claim_wait_ms(self) -> float:
+        """What a prefill worker waits to take its cores back before its first step (module doc):
+        the longest step of short prompts a decode worker computes on borrowed cores, queued or
+        placed there since; 0 while any prefill worker has work (nothing is borrowed then). The same
+        for every prefill worker: each is idle whenever it is not 0."""
+        if not self._prefill_workers_idle():
             return 0.0
         waits = [0.0]
         for decode in self.registry.ready():
@@ -506,11 +507,12 @@ class Router:
         """The lowest-TTFT prefill worker that pairs with a decode worker with room (or a colocated
         worker with room), with the transfer estimate of that decode worker."""
         options = []
+        idle_claim = self.claim_wait_ms()  # a prefill worker's; a colocated worker lends nothing
         for worker in self.registry.ready():
             if worker.does_prefill:
                 ttft, cached = self.estimate_ttft(worker, token_ids, hashes)
                 factor = self.long_ttft_factor(worker, len(token_ids) - cached, REMOTE)  # colocated: 1
-                claim = self.claim_wait_ms(worker)
+                claim = idle_claim if worker.role == PREFILL else 0.0
                 options.append((ttft * factor + claim, worker.worker_id, worker, cached, factor, claim))
         for ttft, _, prefill, cached, factor, claim in sorted(options, key=lambda o: (o[0], o[1])):
             if prefill.role == COLOCATED:

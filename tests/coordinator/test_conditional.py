@@ -267,26 +267,24 @@ def test_an_idle_prefill_worker_is_priced_behind_the_borrowed_step_it_must_wait_
     fits = D_BORROWED_FIT
     pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
     pool.report("p", us_per_token=1000.0)  # 48 ms for the chat: D's 32.9 on borrowed cores wins
-    p = pool.registry.get("p")
-    assert p is not None
     first = pool.router.place(list(range(48)))
     assert first is not None and first.path == LOCAL and first.local_on_borrowed_cores
-    assert pool.router.claim_wait_ms(p) == 0.0
+    assert pool.router.claim_wait_ms() == 0.0
     pool.router.commit(first)
-    assert pool.router.claim_wait_ms(p) == pytest.approx(48 * 0.04 + 1.0 + 20.0)
+    assert pool.router.claim_wait_ms() == pytest.approx(48 * 0.04 + 1.0 + 20.0)
     second = pool.router.place(list(range(1000, 1048)))
     assert second is not None
     assert second.remote_ttft_ms == pytest.approx(first.remote_ttft_ms + 48 * 0.04 + 1.0 + 20.0)
     assert second.prefill_queue_ms == pytest.approx(48 * 0.04 + 1.0 + 20.0)
     pool.report("d", us_per_token=50.0, queued_tokens=200, queued_long_tokens=200, **(DECODE_LOAD | fits))
-    assert pool.router.claim_wait_ms(p) == 0.0  # a long prompt's chunks stay on D's own cores
+    assert pool.router.claim_wait_ms() == 0.0  # a long prompt's chunks stay on D's own cores
     pool.report("d", us_per_token=50.0, queued_tokens=96, **(DECODE_LOAD | fits))
-    assert pool.router.claim_wait_ms(p) == pytest.approx(48 * 0.04 + 1.0 + 20.0)  # one step: the cap's 48
+    assert pool.router.claim_wait_ms() == pytest.approx(48 * 0.04 + 1.0 + 20.0)  # one step: the cap's 48
     whole = DECODE_LOAD | fits | {"short_prompts_whole": True}
     pool.report("d", us_per_token=50.0, queued_tokens=50, **whole)
-    assert pool.router.claim_wait_ms(p) == pytest.approx(50 * 0.04 + 1.0 + 20.0)  # whole: all 50
+    assert pool.router.claim_wait_ms() == pytest.approx(50 * 0.04 + 1.0 + 20.0)  # whole: all 50
     pool.report("p", queued_tokens=64, us_per_token=1000.0)
-    assert pool.router.claim_wait_ms(p) == 0.0
+    assert pool.router.claim_wait_ms() == 0.0
 
 
 def test_a_decode_worker_that_runs_short_prompts_whole_is_priced_one_step_for_them(
