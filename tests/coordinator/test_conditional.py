@@ -236,8 +236,8 @@ def test_a_short_prompt_is_priced_on_borrowed_cores_while_no_prefill_worker_has_
     P has nothing queued, a short prompt on D is priced by them; a long one (over D's threshold,
     128) keeps D's own, and so does any prompt while P has work."""
     pool = conditional_pool(served_model, p_queued_tokens=0)
-    fits = D_BORROWED_FIT
-    pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
+    d_load = DECODE_LOAD | D_BORROWED_FIT
+    pool.report("d", us_per_token=50.0, **d_load)
     short, long = list(range(48)), list(range(200))
     placement = pool.router.place(short)  # one step of 48
     assert placement is not None and placement.local_on_borrowed_cores
@@ -264,8 +264,8 @@ def test_an_idle_prefill_worker_is_priced_behind_the_borrowed_step_it_must_wait_
     nothing, nor does anything once P has work of its own (its cores are then its own, D computes at
     home)."""
     pool = conditional_pool(served_model, p_queued_tokens=0)
-    fits = D_BORROWED_FIT
-    pool.report("d", us_per_token=50.0, **(DECODE_LOAD | fits))
+    d_load = DECODE_LOAD | D_BORROWED_FIT
+    pool.report("d", us_per_token=50.0, **d_load)
     pool.report("p", us_per_token=1000.0)  # 48 ms for the chat: D's 32.9 on borrowed cores wins
     first = pool.router.place(list(range(48)))
     assert first is not None and first.path == LOCAL and first.local_on_borrowed_cores
@@ -276,11 +276,11 @@ def test_an_idle_prefill_worker_is_priced_behind_the_borrowed_step_it_must_wait_
     assert second is not None
     assert second.remote_ttft_ms == pytest.approx(first.remote_ttft_ms + 48 * 0.04 + 1.0 + 20.0)
     assert second.prefill_queue_ms == pytest.approx(48 * 0.04 + 1.0 + 20.0)
-    pool.report("d", us_per_token=50.0, queued_tokens=200, queued_long_tokens=200, **(DECODE_LOAD | fits))
+    pool.report("d", us_per_token=50.0, queued_tokens=200, queued_long_tokens=200, **d_load)
     assert pool.router.claim_wait_ms() == 0.0  # a long prompt's chunks stay on D's own cores
-    pool.report("d", us_per_token=50.0, queued_tokens=96, **(DECODE_LOAD | fits))
+    pool.report("d", us_per_token=50.0, queued_tokens=96, **d_load)
     assert pool.router.claim_wait_ms() == pytest.approx(48 * 0.04 + 1.0 + 20.0)  # one step: the cap's 48
-    whole = DECODE_LOAD | fits | {"short_prompts_whole": True}
+    whole = d_load | {"short_prompts_whole": True}
     pool.report("d", us_per_token=50.0, queued_tokens=50, **whole)
     assert pool.router.claim_wait_ms() == pytest.approx(50 * 0.04 + 1.0 + 20.0)  # whole: all 50
     pool.report("p", queued_tokens=64, us_per_token=1000.0)
