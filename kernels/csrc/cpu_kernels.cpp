@@ -193,8 +193,15 @@ inline float max_of(const float* x, int64_t n) {
 // Prefetch slice `part` of `parts` of the n values at p (whole 64-byte lines) into L2, not L1: a
 // K/V block is 2 x 8 KiB at the benchmark shape, and fetching the next ones into a 32 KiB L1 evicts
 // the block being read (2x slower, measured).
+//
+// Always inlined, as is every function that calls it for nothing else (ALWAYS_INLINE): GCC counts a
+// prefetch as no side effect, so a function that only prefetches is "pure" and a call to it whose
+// result goes unused is deleted. BlockWalk::ahead was, from its first version until session 32: the
+// library held no prefetch outside the walk's constructor, and the decode kernels met every block
+// after the first two cold from DRAM (tests/kernels/test_prebuilt.py now looks for them).
+#define ALWAYS_INLINE __attribute__((always_inline)) inline
 template <typename T>
-inline void prefetch_slice(const T* p, int64_t n, int64_t part, int64_t parts) {
+ALWAYS_INLINE void prefetch_slice(const T* p, int64_t n, int64_t part, int64_t parts) {
   const char* bytes = reinterpret_cast<const char*>(p);
   const int64_t lines = (n * static_cast<int64_t>(sizeof(T)) + 63) / 64;
   for (int64_t i = lines * part / parts; i < lines * (part + 1) / parts; ++i)
@@ -281,7 +288,7 @@ struct BlockWalk {
   }
 
   // slice `part` of `parts` of the block kPrefetchAhead after visit `visit`, if there is one
-  void ahead(size_t visit, int64_t part, int64_t parts) const {
+  ALWAYS_INLINE void ahead(size_t visit, int64_t part, int64_t parts) const {
     if (visit + kPrefetchAhead >= visits.size()) return;
     const int64_t next = visits[visit + kPrefetchAhead];
     prefetch_slice(k + next * k_block, k_bytes, part, parts);
