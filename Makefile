@@ -61,7 +61,7 @@ kvbench: setup
 # step time, short prompts (by D's threshold, 128) whole, long ones there only when P's estimate is
 # over the 3 s TTFT target (documents up to 2,048 tokens), and D's prompt steps on P's core while P
 # idles; one long prompt at a time, its chunk capped at 256 tokens on P and 128 where decodes run;
-# D pulls the KV over UCX. About 15 minutes on a quiet 2-core box (15 m 20 s and 16 m 17 s in session 32);
+# D pulls the KV over UCX. About 15 minutes on a quiet 2-core box (15 m 20 s to 16 m 17 s in session 32);
 # STUDY_ARGS adds or overrides flags (e.g. `STUDY_ARGS="--rounds 2"`).
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
