@@ -1,7 +1,8 @@
 """Linear layers whose weights are laid out once, at load, for the device's fastest GEMM.
 
-bfloat16 weights on a CPU with AVX512-BF16 are packed for `kernels.gemm` (2.2x oneDNN at one
-row, 1.5x at eight, 1.06x at prefill sizes; measured in its docstring). Otherwise, on a CPU
+bfloat16 weights on a CPU with AVX512-BF16 and no AMX tiles are packed for `kernels.gemm` (2.2x
+oneDNN at one row, 1.5x at eight, 1.06x at prefill sizes; measured in its docstring; with AMX,
+oneDNN runs on the tiles at 5-11x ours from 64 rows on). Otherwise, on a CPU
 with AVX-512, the weight is reordered into oneDNN's blocked format and every call runs oneDNN's
 GEMM on it. Measured on a 2-core AVX-512 EPYC, the 6-layer dim-512 shape's 25 GEMMs of
 one decode step (float32): 3.2 vs 4.3 ms at batch 1, 6.4 vs 12.6 ms at batch 32, and faster at
@@ -51,7 +52,7 @@ class Linear:
 
     @classmethod
     def prepare(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-        if gemm.bf16_gemm_available(weight):
+        if gemm.bf16_gemm_preferred(weight):
             # the kernel adds the bias in float32: converted here once, not in every call
             bias32 = None if bias is None else bias.float()
             return cls(gemm.pack_bf16_weight(weight.contiguous()), bias32, WeightLayout.BF16_TILES)

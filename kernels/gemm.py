@@ -4,7 +4,9 @@
 Measured with ``python -m kernels.gemm_bench`` on a 2-core AVX-512 EPYC (Zen 4), one core: the
 120 GEMMs of a SmolLM2-135M step (212 MB of weights) took 11.3 ms at 1 row against oneDNN's 25.0 on
 its own blocked weight (2.2x; the weight read at 19 GB/s, near the 22 GB/s one core reads), 1.5x at 8
-rows, 1.2x at 16 to 64 and 1.06-1.08x at 256 and 1,024.
+rows, 1.2x at 16 to 64 and 1.06-1.08x at 256 and 1,024. On a CPU with AMX tiles oneDNN uses them and
+wins from two rows on (a 2-core Xeon, one core: 1.19x ours at one row, 0.94x at two, 0.20x at 64,
+0.09x at 1,024), so there `bf16_gemm_preferred` is false and `engine.linear` keeps oneDNN.
 
 ``packed = pack_bf16_weight(W)`` owns a reordered copy of ``W`` (same shape, ``[N, K]``); the caller
 may drop ``W``. Where ``bf16_gemm_available`` is false (another CPU, dtype, device or shape, or the
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import cpu_features
 from kernels.dispatch import cpu_kernels
 
 
@@ -25,6 +28,12 @@ def bf16_gemm_available(weight: torch.Tensor) -> bool:
         return False
     cpp = cpu_kernels(weight, (torch.bfloat16,))
     return cpp is not None and bool(cpp.has_bf16_dot())
+
+
+def bf16_gemm_preferred(weight: torch.Tensor) -> bool:
+    """Whether ``weight``'s layers should run `bf16_linear`: it is available and the CPU has no AMX
+    tiles (where oneDNN's GEMM on them is several times faster at every row count but one)."""
+    return bf16_gemm_available(weight) and not cpu_features.has_amx_bf16()
 
 
 def pack_bf16_weight(weight: torch.Tensor) -> torch.Tensor:

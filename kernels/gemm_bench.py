@@ -1,6 +1,6 @@
 """Times one model step's GEMMs at M rows: `engine.linear.Linear` on `kernels.gemm`'s packed weight
-against the same class on oneDNN's blocked weight (what it ran before), same weights, interleaved
-rounds, one process:
+against the same class on oneDNN's blocked weight (what `Linear.prepare` picks where the CPU has
+AMX tiles), same weights, interleaved rounds, one process:
 
     taskset -c 1 python -m kernels.gemm_bench --rows 1,2,4,8,16,32,64,256 [--threads 1]
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     weights = [torch.randn(o, i).mul_(0.05).bfloat16() for _ in range(args.layers) for o, i in SMOLLM2_LAYER]
     if not (gemm.bf16_gemm_available(weights[0]) and onednn_packing_available(weights[0].device)):
         parser.error("needs a CPU with AVX512-BF16, the C++ kernels and oneDNN")
-    ours = [Linear.prepare(w) for w in weights]
+    ours = [Linear(gemm.pack_bf16_weight(w), None, WeightLayout.BF16_TILES) for w in weights]
     onednn = [Linear(torch.ops.mkldnn._reorder_linear_weight(w), None, WeightLayout.ONEDNN) for w in weights]
     print(f"{'rows':>6} {'oneDNN ms':>10} {'ours ms':>9} {'speed-up':>9}")
     for m in (int(v) for v in args.rows.split(",")):

@@ -9,25 +9,18 @@ import platform
 from pathlib import Path
 from typing import Any
 
+from kernels.cpu_features import CPUINFO, read_cpuinfo
+
 # the ISA extensions that move this project's CPU numbers (docs/performance.md, session 14)
 ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
-def host_info(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+def host_info(cpuinfo: Path = CPUINFO) -> dict[str, Any]:
     """CPU model, CPU count, the ISA_FLAGS it has, and the kernel release (model "" where unknown)."""
-    model, flags = "", set[str]()
-    try:
-        for line in cpuinfo.read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and not model:
-                model = value.strip()
-            elif key.strip() == "flags" and not flags:
-                flags = set(value.split())
-    except OSError:
-        pass
+    cpu = read_cpuinfo(cpuinfo)
     return {
-        "cpu": model or platform.processor(),
+        "cpu": cpu.model or platform.processor(),
         "cpus": os.cpu_count(),
-        "isa": [f for f in ISA_FLAGS if f in flags],
+        "isa": [f for f in ISA_FLAGS if f in cpu.flags],
         "kernel": platform.release(),
     }

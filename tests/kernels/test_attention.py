@@ -7,7 +7,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from kernels import VarlenLayout, paged_decode_attention, paged_prefill_attention
+from kernels import VarlenLayout, cpu_features, paged_decode_attention, paged_prefill_attention
 from kernels.attention import paged_decode_attention_ref, paged_prefill_attention_ref
 from kernels.dispatch import forced
 from tests.kernels.conftest import DEVICE
@@ -200,12 +200,15 @@ def test_bfloat16_cpu_prefill_matches_float32_reference() -> None:
 @pytest.mark.parametrize(
     "case", [(16, 3, 3, 64), (16, 2, 1, 32), (5, 1, 4, 128), (8, 2, 8, 256), (16, 4, 2, 96), (32, 1, 5, 64)]
 )
-def test_bfloat16_prompt_kernel_matches_float32_reference(bf16_cpp: ModuleType, case: Case) -> None:
+def test_bfloat16_prompt_kernel_matches_float32_reference(
+    bf16_cpp: ModuleType, case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # the AVX512-BF16 prompt kernel (vdpbf16ps scores and value sums, probabilities rounded to
     # bfloat16): whole prompts from 2 tokens to several 64-key steps, chunks after cached prefixes
     # (ending inside a step and on its edge), row tiles of every width, a strided query view, beside
     # a decode row; unused cache slots poisoned with NaN (never read). Through the dispatch, which
-    # must pick it: the same bits as the kernel called alone
+    # must pick it on a CPU without AMX tiles: the same bits as the kernel called alone
+    monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda: False)
     cpp = bf16_cpp
     block_size, num_kv_heads, group, head_dim = case
     seqs = [(2, 2), (7, 7), (64, 64), (65, 65), (200, 200), (130, 1), (300, 37), (129, 128), (192, 64)]
@@ -228,6 +231,21 @@ def test_bfloat16_prompt_kernel_matches_float32_reference(bf16_cpp: ModuleType, 
             blocks = paged.block_tables[b, : -(-n // block_size)]
             alone = cpp.prefill_attention_bf16(q[rows], paged.k_cache, paged.v_cache, blocks, n, scale)
             assert torch.equal(out[rows], alone)
+
+
+def test_bfloat16_prompts_go_to_torch_flash_attention_where_the_cpu_has_amx_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # with AMX, torch's CPU flash attention (GEMMs on the tiles) beats the AVX512-BF16 kernel: the
+    # dispatch must give prompt chunks the same bits as the torch path
+    monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda: True)
+    seqs = [(300, 300), (1040, 128)]
+    paged = make_paged([n for n, _ in seqs], 16, 3, 64, torch.bfloat16, seed=26)
+    q = torch.randn(sum(m for _, m in seqs), 9, 64).to(torch.bfloat16)
+    tables = (paged.block_tables, cu_seqlens([m for _, m in seqs]), paged.seq_lens)
+    out = paged_prefill_attention(q, paged.k_cache, paged.v_cache, *tables, 64**-0.5)
+    with forced("torch"):
+        assert torch.equal(out, paged_prefill_attention(q, paged.k_cache, paged.v_cache, *tables, 64**-0.5))
 
 
 def test_bfloat16_prompt_kernel_refuses_what_it_cannot_serve(bf16_cpp: ModuleType) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.linear import Linear, WeightLayout
-from kernels import gemm, gemm_bench
+from engine.linear import Linear, WeightLayout, onednn_packing_available
+from kernels import cpu_features, gemm, gemm_bench
 
 pytestmark = pytest.mark.usefixtures("bf16_cpp")
 
@@ -75,7 +75,8 @@ def test_shapes_and_dtypes_it_does_not_take() -> None:
         )
 
 
-def test_linear_packs_bfloat16_weights_and_keeps_float32_on_its_path() -> None:
+def test_linear_packs_bfloat16_weights_and_keeps_float32_on_its_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda: False)
     w = torch.randn(96, 64)
     bias = torch.randn(96)
     x = torch.randn(5, 64)
@@ -86,6 +87,17 @@ def test_linear_packs_bfloat16_weights_and_keeps_float32_on_its_path() -> None:
     assert bf16_ulps(fast(x.bfloat16()), expected).max() <= 1.0
     assert Linear.prepare(w).layout is not WeightLayout.BF16_TILES
     assert Linear.prepare(torch.randn(40, 64).bfloat16()).layout is not WeightLayout.BF16_TILES
+
+
+@pytest.mark.skipif(not onednn_packing_available(torch.device("cpu")), reason="needs oneDNN on AVX-512")
+def test_linear_leaves_bfloat16_to_onednn_where_the_cpu_has_amx_tiles(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(cpu_features, "has_amx_bf16", lambda: True)
+    w, x = torch.randn(96, 64).bfloat16(), torch.randn(5, 64).bfloat16()
+    linear = Linear.prepare(w)
+    assert linear.layout is WeightLayout.ONEDNN
+    assert bf16_ulps(linear(x), x.float() @ w.float().t()).max() <= 1.0
 
 
 def test_the_benchmark_runs_both_sides(capsys: pytest.CaptureFixture[str]) -> None:
