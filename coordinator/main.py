@@ -163,6 +163,15 @@ def _add_routing_flags(parser: argparse.ArgumentParser) -> None:
         "to save the target (0 = off: the lower estimate decides)",
     )
     parser.add_argument(
+        "--itl-stretch",
+        type=float,
+        default=default["itl_stretch"],
+        help="conditional: prefill on a decode worker that is decoding only while the step carrying "
+        "the prompt is estimated within this multiple of its decode step; else on a prefill worker "
+        "(when its estimate is within --ttft-slo-ms, where set), sparing running requests' gaps "
+        "(0 = off)",
+    )
+    parser.add_argument(
         "--tpot-guard",
         choices=TPOT_GUARDS,
         default=default["tpot_guard"],
@@ -269,6 +278,7 @@ def _config(
             args.first_token_from,
             args.local_first_ttft_ms,
             args.ttft_slo_ms,
+            args.itl_stretch,
         ),
     )
 

@@ -99,6 +99,19 @@ first token's target; at 0.5 req/s of issue 12's mix, documents on D made 33-161
 over 1.5x the unloaded TPOT in session 28's runs);
 `always` never prefills on a decode worker; `never` always does.
 
+The gap a local prefill makes (`RoutingPolicy.itl_stretch` > 0): while the decode worker decodes
+anything (running or placed there), the first step that carries the prompt also carries every running
+request's next token, so that gap is
+
+    local_gap = step + prompt(min(uncached, spare)) over 1 step (on borrowed cores where priced so)
+
+and `conditional` goes local only while `local_gap <= itl_stretch x step`; otherwise the prompt goes
+remote, unless the remote estimate is over the TTFT target (`ttft_slo_ms`, where set): a prompt costs
+running requests one long gap only to save its first token's target. A worker decoding nothing has
+no gap to stretch, so an idle decode worker still prefills short prompts itself (session 34, issue 12's
+study: a 64-token chat whole in one step of a decoding D was estimated at 39-60 ms against a 10 ms
+decode step; those steps made conditional's ITL p99 1.6-4.8x unloaded).
+
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): all its prompt
 work (`work`: queued, placed since, and this prompt's uncached tokens), in whatever order, lands in
 its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A running
@@ -168,6 +181,8 @@ class Placement:
     local_ttft_factor: float = 1.0  # the same for local_ttft_ms
     local_on_borrowed_cores: bool = False  # local_ttft_ms priced by D's fit on borrowed cores
     ttft_target_ms: float = 0.0  # the policy's TTFT target a long prompt's remote estimate was held to
+    local_gap_ms: float = 0.0  # the decode worker's first step carrying the prompt, while it decodes
+    itl_stretch: float = 0.0  # the policy's bound on local_gap_ms, a multiple of its decode step
 
     @property
     def colocated(self) -> bool:
@@ -199,6 +214,8 @@ class Placement:
             local_ttft_factor=self.local_ttft_factor,
             local_on_borrowed_cores=self.local_on_borrowed_cores,
             ttft_target_ms=self.ttft_target_ms,
+            local_gap_ms=self.local_gap_ms,
+            itl_stretch=self.itl_stretch,
         )
 
     @property
@@ -486,7 +503,12 @@ class Router:
             over_tpot = target > 0 and local.local_tpot_ms > target
         if remote is None:  # no prefill worker can take it now: wait for one (or for D's TPOT)
             return None if too_long or over_tpot else local
-        if too_long or over_tpot or self.remote_meets_target(remote, local):
+        if (
+            too_long
+            or over_tpot
+            or self.remote_meets_target(remote, local)
+            or self.spares_gaps(remote, local)
+        ):
             return _with_local(remote, local)
         first = self.policy.local_first_ttft_ms
         if local.local_ttft_ms < remote.remote_ttft_ms or (first > 0 and local.local_ttft_ms <= first):
@@ -502,6 +524,16 @@ class Router:
         return (
             target > 0 and long_prompt(threshold, local.uncached_tokens) and remote.remote_ttft_ms <= target
         )
+
+    def spares_gaps(self, remote: Placement, local: Placement) -> bool:
+        """The local prefill would stretch the decode worker's next gap past the policy's bound
+        (`RoutingPolicy.itl_stretch` x its decode step, while it decodes) and the remote path is within
+        the TTFT target (where one is set): the prompt goes remote to spare its running requests."""
+        stretch = self.policy.itl_stretch
+        if stretch <= 0 or local.local_gap_ms <= stretch * _decode_step_ms(local.decode):
+            return False
+        target = self.policy.ttft_slo_ms
+        return target <= 0 or remote.remote_ttft_ms <= target
 
     def _place_remote(self, token_ids: Sequence[int], hashes: dict[int, list[int]]) -> Placement | None:
         """The lowest-TTFT prefill worker that pairs with a decode worker with room (or a colocated
@@ -574,11 +606,16 @@ class Router:
         cached = est.cached_tokens if est is not None else self.cached_tokens(decode, token_ids, hashes)
         ttft = est.ttft_ms if est is not None else 0.0
         target = self.policy.tpot_slo_ms
+        running = decoding(decode.worker_id)
         tpot = (
-            self.estimate_tpot(decode, est, decoding(decode.worker_id))
+            self.estimate_tpot(decode, est, running)
             if est is not None and target > 0
             else TpotEstimate(0.0, 0.0, 0)
         )
+        gap = 0.0
+        if est is not None and running:  # its first step carrying the prompt, with its decodes
+            tokens = min(est.own_tokens, est.spare_tokens)
+            gap = _decode_step_ms(decode) + self.local_prompt_ms(decode, tokens, 1, est.on_borrowed_cores)
         return Placement(
             decode,
             decode,
@@ -602,6 +639,8 @@ class Router:
             est.ttft_factor if est is not None else 1.0,
             est is not None and est.on_borrowed_cores,
             self.policy.ttft_slo_ms,
+            gap,
+            self.policy.itl_stretch,
         )
 
     def largest_pool_refusal(self, num_tokens: int) -> tuple[int, WorkerInfo] | None:
@@ -699,6 +738,8 @@ def _with_local(remote: Placement, local: Placement) -> Placement:
         local_ttft_factor=local.local_ttft_factor,
         local_on_borrowed_cores=local.local_on_borrowed_cores,
         ttft_target_ms=local.ttft_target_ms,
+        local_gap_ms=local.local_gap_ms,
+        itl_stretch=local.itl_stretch,
     )
 
 

@@ -1,5 +1,5 @@
 """The router's policy knobs (`--disaggregation`, `--local-prefill-max-tokens`, `--tpot-slo-ms`,
-`--first-token-from`, `--local-first-ttft-ms`, `--ttft-slo-ms`); import-light, because `splitserve --help` builds the coordinator's flags from
+`--first-token-from`, `--local-first-ttft-ms`, `--ttft-slo-ms`, `--itl-stretch`); import-light, because `splitserve --help` builds the coordinator's flags from
 these defaults."""
 
 from __future__ import annotations
@@ -32,7 +32,12 @@ class RoutingPolicy:
     steps, stretching every running request's inter-token gaps) on the decode worker only when the
     remote path's estimate is over that TTFT target: a long prompt then stalls decode only to save
     its first token's target, as Dynamo's decode workers prefill long prompts only while the prefill
-    queue is too long (0: the lower estimate decides for long prompts too).
+    queue is too long (0: the lower estimate decides for long prompts too). With `itl_stretch` > 0,
+    `conditional` prefills on a decode worker that is decoding only while the first step carrying the
+    prompt is estimated within `itl_stretch` x its decode step: a prompt that would stretch its
+    running requests' next gap further goes to a prefill worker (when one can take it and its
+    estimate is within `ttft_slo_ms`, where that is set), so the inter-token gaps of running requests
+    stay near one decode step while prompts arrive (0: off).
 
     `first_token_from` (the hop's first token, prefilled on a prefill worker): `decode` streams it
     when the decode worker starts decoding the request (its KV landed, its first step scheduled), as
@@ -48,6 +53,7 @@ class RoutingPolicy:
     first_token_from: str = FIRST_TOKEN_FROM[0]
     local_first_ttft_ms: float = 0.0
     ttft_slo_ms: float = 0.0
+    itl_stretch: float = 0.0
 
     def __post_init__(self) -> None:
         if self.disaggregation not in DISAGGREGATION:
@@ -69,3 +75,7 @@ class RoutingPolicy:
             raise ValueError(f"--local-first-ttft-ms must be >= 0 (0 = off), got {self.local_first_ttft_ms}")
         if not self.ttft_slo_ms >= 0:
             raise ValueError(f"--ttft-slo-ms must be >= 0 (0 = off), got {self.ttft_slo_ms}")
+        if not (self.itl_stretch == 0 or self.itl_stretch >= 1):
+            raise ValueError(
+                f"--itl-stretch must be 0 (off) or >= 1 (a multiple of the decode step), got {self.itl_stretch}"
+            )

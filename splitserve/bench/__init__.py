@@ -55,6 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="colocated only: one variant per per-step token budget (e.g. 128,256,512); the best is marked",
     )
     a(
+        "--itl-stretches",
+        type=csv_of(float, "0 (off) or a multiple >= 1", lambda x: x == 0 or x >= 1),
+        default=[],
+        help="conditional only: one variant per coordinator --itl-stretch (e.g. 0,1.5: its two "
+        "operating points side by side; default: one variant, --router-itl-stretch or the coordinator's)",
+    )
+    a(
         "--control-planes",
         type=csv_of(str, f"a control plane ({', '.join(CONTROL_PLANES)})", lambda c: c in CONTROL_PLANES),
         default=None,
@@ -134,6 +141,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="the coordinator's --local-first-ttft-ms (conditional: prefill on the decode worker "
         "whenever its estimate is within it; default: the coordinator's, 0 = off)",
+    )
+    a(
+        "--router-itl-stretch",
+        type=non_negative_float,
+        default=None,
+        help="the coordinator's --itl-stretch (conditional: prefill on a decode worker that is decoding "
+        "only while the step carrying the prompt stays within this multiple of its decode step; "
+        "default: the coordinator's, 0 = off)",
     )
     a(
         "--router-local-prefill-max-tokens",
@@ -222,6 +237,8 @@ def router_args(args: argparse.Namespace, targets: Latency) -> list[str]:
         out += ["--local-first-ttft-ms", f"{args.router_local_first_ttft_ms:g}"]
     if args.router_local_prefill_max_tokens is not None:
         out += ["--local-prefill-max-tokens", str(args.router_local_prefill_max_tokens)]
+    if args.router_itl_stretch is not None:
+        out += ["--itl-stretch", f"{args.router_itl_stretch:g}"]
     if args.first_token_from:
         out += ["--first-token-from", args.first_token_from]
     return out
@@ -251,6 +268,10 @@ def _usage_error(args: argparse.Namespace) -> str:
     modes = args.modes or [args.mode]
     if args.prefill_chunk_budgets and "colocated" not in modes:
         return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
+    if args.itl_stretches and "conditional" not in modes:
+        return "--itl-stretches sets conditional's router: add conditional to --modes"
+    if args.itl_stretches and args.router_itl_stretch is not None:
+        return "--itl-stretches and --router-itl-stretch both set the bound: give one"
     if args.target and (args.control_planes or args.rounds > 1):
         return "--control-planes and --rounds start local clusters: drop --target"
     if args.scale_rate is not None and args.scale_rate not in args.rates:
@@ -289,7 +310,7 @@ def run(args: argparse.Namespace) -> int:
     )
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
-    vs = variants(modes, args.prefill_chunk_budgets, planes, args.rounds)
+    vs = variants(modes, args.prefill_chunk_budgets, planes, args.rounds, args.itl_stretches)
     targets = router_targets(args)
     spec = None
     if not args.target:
@@ -316,6 +337,7 @@ def run(args: argparse.Namespace) -> int:
         "router_tpot_guard": args.router_tpot_guard,
         "router_local_first_ttft_ms": args.router_local_first_ttft_ms,
         "router_local_prefill_max_tokens": args.router_local_prefill_max_tokens,
+        "router_itl_stretch": args.router_itl_stretch,
         "first_token_from": args.first_token_from,
         "prefill_tokens_while_decoding": args.prefill_tokens_while_decoding,
         "prefill_ms_while_decoding": args.prefill_ms_while_decoding,

@@ -16,11 +16,12 @@ TIMING_FIELDS = ("queue_ms", "prefill_ms", "kv_transfer_ms", "first_token_ms", "
 # the router's estimates behind its path (Timings.routing), per request in the study's JSON: the TTFT
 # estimates, and the decode worker's projected TPOT with the local prefill against the target it is
 # held to (what keeps a prompt off the decode worker when its TTFT estimate there is the lower), and
-# the factors a long prompt's estimates include (coordinator/ttft_calibration.py)
+# the factors a long prompt's estimates include (coordinator/ttft_calibration.py), and the gap a local
+# prefill would make in the decode worker's running requests (what `--itl-stretch` holds it to)
 ROUTING_FIELDS = (
     "estimated_ttft_ms", "remote_ttft_ms", "local_ttft_ms", "transfer_ms", "prefill_queue_ms",
     "local_tpot_ms", "tpot_target_ms", "local_added_ms", "remote_ttft_factor", "local_ttft_factor",
-    "local_on_borrowed_cores",
+    "local_on_borrowed_cores", "local_gap_ms",
 )  # fmt: skip
 
 

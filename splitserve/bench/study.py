@@ -57,41 +57,56 @@ class Variant:
     round: int = 0  # 0-based; named only when the study has several rounds
     rounds: int = 1
     compares_planes: bool = False  # the study runs both control planes: "+plain" names the plaintext one
+    itl_stretch: float | None = None  # conditional's coordinator --itl-stretch (None: as the flags say)
 
     @property
     def name(self) -> str:
         name = self.mode if self.chunk_budget is None else f"{self.mode}@{self.chunk_budget}"
+        name += f"~itl{self.itl_stretch:g}" if self.itl_stretch else ""
         name += "+plain" if self.compares_planes and self.control_plane == "plain" else ""
         return name if self.rounds == 1 else f"{name}#{self.round + 1}"
 
 
 def variants(
-    modes: list[str], budgets: list[int], control_planes: list[str] | None = None, rounds: int = 1
+    modes: list[str],
+    budgets: list[int],
+    control_planes: list[str] | None = None,
+    rounds: int = 1,
+    itl_stretches: Sequence[float] = (),
 ) -> list[Variant]:
-    """One variant per mode (colocated once per chunk budget when budgets are given) and control
-    plane, `rounds` times, every other round in reverse order."""
+    """One variant per mode (colocated once per chunk budget when budgets are given, conditional once
+    per ITL stretch when those are) and control plane, `rounds` times, every other round in reverse
+    order."""
     planes = control_planes or ["curve"]
     out = []
     for r in range(rounds):
         one = []
         for mode in modes:
             tuned: list[int | None] = list(budgets) if mode == "colocated" and budgets else [None]
+            bounds: list[float | None] = (
+                list(itl_stretches) if mode == "conditional" and itl_stretches else [None]
+            )
             for plane in planes:
-                one += [Variant(mode, b, plane, r, rounds, len(set(planes)) > 1) for b in tuned]
+                one += [
+                    Variant(mode, b, plane, r, rounds, len(set(planes)) > 1, x) for b in tuned for x in bounds
+                ]
         out += one if r % 2 == 0 else one[::-1]
     return out
 
 
 def variant_spec(base: ClusterSpec, v: Variant, decode_caps: Sequence[str] = ()) -> ClusterSpec:
     """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget (colocated)
-    or `decode_caps` (the decode workers' flags in the other modes); logs in a subdirectory."""
+    or `decode_caps` (the decode workers' flags in the other modes), its coordinator args `v`'s ITL
+    stretch (after the base's: the last flag wins); logs in a subdirectory."""
     extra = [] if v.chunk_budget is None else [BUDGET_FLAG, str(v.chunk_budget)]
     if v.mode != "colocated":
         extra += decode_caps
+    stretch = [] if v.itl_stretch is None else ["--itl-stretch", f"{v.itl_stretch:g}"]
     log_dir = None if base.log_dir is None else base.log_dir / v.name
     return dataclasses.replace(
         base,
         mode=v.mode,
+        coordinator_args=[*base.coordinator_args, *stretch],
         decode_args=[*base.decode_args, *extra],
         log_dir=log_dir,
         insecure_control_plane=v.control_plane == "plain",
@@ -191,6 +206,7 @@ def _row(
         "mode": v.mode,
         "chunk_budget": v.chunk_budget,
         "control_plane": v.control_plane,
+        "itl_stretch": v.itl_stretch,
         "round": v.round,
         "rate": rate,
     }
@@ -273,7 +289,13 @@ def run_study(
         "goodput_target": GOODPUT_TARGET,
         "unloaded": {},
         "variants": [
-            {"name": v.name, "mode": v.mode, "chunk_budget": v.chunk_budget, "control_plane": v.control_plane}
+            {
+                "name": v.name,
+                "mode": v.mode,
+                "chunk_budget": v.chunk_budget,
+                "control_plane": v.control_plane,
+                "itl_stretch": v.itl_stretch,
+            }
             for v in vs
         ],
         "rows": [],

@@ -1143,6 +1143,8 @@ class RoutingDecision(_message.Message):
     LOCAL_TTFT_FACTOR_FIELD_NUMBER: _builtins.int
     LOCAL_ON_BORROWED_CORES_FIELD_NUMBER: _builtins.int
     TTFT_TARGET_MS_FIELD_NUMBER: _builtins.int
+    LOCAL_GAP_MS_FIELD_NUMBER: _builtins.int
+    ITL_STRETCH_FIELD_NUMBER: _builtins.int
     path: Global___PrefillPath.ValueType
     """The path taken."""
     estimated_ttft_ms: _builtins.float
@@ -1202,6 +1204,16 @@ class RoutingDecision(_message.Message):
     --long-prefill-token-threshold) was held to: it prefills on the decode worker only when
     remote_ttft_ms is over it; 0 = off (the lower estimate decides).
     """
+    local_gap_ms: _builtins.float
+    """The decode worker's first step that would carry this prompt beside its running decodes: its
+    decode step + the prompt tokens one step carries at its fit, milliseconds; 0 when nothing decodes
+    there (no gap to stretch) or the local path was not considered.
+    """
+    itl_stretch: _builtins.float
+    """The coordinator's --itl-stretch: conditional prefills on a decode worker that is decoding only
+    while local_gap_ms is within this multiple of its decode step (else remote, when that path's
+    estimate is within ttft_target_ms where one is set); 0 = off.
+    """
     def __init__(
         self,
         *,
@@ -1223,10 +1235,12 @@ class RoutingDecision(_message.Message):
         local_ttft_factor: _builtins.float = ...,
         local_on_borrowed_cores: _builtins.bool = ...,
         ttft_target_ms: _builtins.float = ...,
+        local_gap_ms: _builtins.float = ...,
+        itl_stretch: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_on_borrowed_cores", b"local_on_borrowed_cores", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "ttft_target_ms", b"ttft_target_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "decode_running", b"decode_running", "decode_spare_tokens", b"decode_spare_tokens", "estimated_ttft_ms", b"estimated_ttft_ms", "itl_stretch", b"itl_stretch", "local_added_ms", b"local_added_ms", "local_first_ttft_ms", b"local_first_ttft_ms", "local_gap_ms", b"local_gap_ms", "local_on_borrowed_cores", b"local_on_borrowed_cores", "local_tpot_ms", b"local_tpot_ms", "local_ttft_factor", b"local_ttft_factor", "local_ttft_ms", b"local_ttft_ms", "path", b"path", "prefill_queue_ms", b"prefill_queue_ms", "remote_ttft_factor", b"remote_ttft_factor", "remote_ttft_ms", b"remote_ttft_ms", "tpot_target_ms", b"tpot_target_ms", "transfer_ms", b"transfer_ms", "ttft_target_ms", b"ttft_target_ms", "uncached_tokens", b"uncached_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

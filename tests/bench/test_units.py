@@ -129,6 +129,15 @@ def test_chunk_budgets_make_colocated_variants_with_the_worker_flag() -> None:
     assert variant_spec(ClusterSpec(), Variant("disaggregated")).decode_args == []
 
 
+def test_itl_stretches_make_conditional_variants_with_the_coordinator_flag() -> None:
+    vs = variants(["colocated", "conditional"], [128], itl_stretches=[0, 1.5])
+    assert [v.name for v in vs] == ["colocated@128", "conditional", "conditional~itl1.5"]
+    base = ClusterSpec(coordinator_args=["--itl-stretch", "2"])  # a --router-itl-stretch: the variant's wins
+    assert variant_spec(base, vs[2]).coordinator_args == ["--itl-stretch", "2", "--itl-stretch", "1.5"]
+    assert variant_spec(base, vs[1]).coordinator_args[-2:] == ["--itl-stretch", "0"]
+    assert variant_spec(base, vs[0]).coordinator_args == ["--itl-stretch", "2"]
+
+
 def test_the_decode_cap_goes_to_decode_workers_not_to_the_tuned_colocated_baseline() -> None:
     base = ClusterSpec(dtype="bfloat16")
     caps = decode_caps(16, 7.5)
@@ -155,11 +164,13 @@ def test_router_flags_reach_the_coordinator_as_its_own() -> None:
     """What `--router-*` and `--first-token-from` set is what the study's coordinator parses."""
     flags = ["--router-local-prefill-max-tokens", "2048", "--router-local-first-ttft-ms", "1500"]
     flags += ["--router-tpot-guard", "increment", "--first-token-from", "prefill"]
+    flags += ["--router-itl-stretch", "1.5"]
     args = build_parser("bench").parse_args(["bench", *flags])
     forwarded = bench.router_args(args, bench.router_targets(args))
     coordinator = build_parser("coordinator").parse_args(["coordinator", "--model", "tiny", *forwarded])
     assert (coordinator.local_prefill_max_tokens, coordinator.local_first_ttft_ms) == (2048, 1500.0)
     assert (coordinator.tpot_guard, coordinator.first_token_from) == ("increment", "prefill")
+    assert coordinator.itl_stretch == 1.5
     # the router's targets are the study's absolute SLO unless given; none under --slo-scale
     assert (coordinator.ttft_slo_ms, coordinator.tpot_slo_ms) == (args.slo_ttft_ms, args.slo_tpot_ms)
     given = build_parser("bench").parse_args(
@@ -190,6 +201,7 @@ def test_router_flags_reach_the_coordinator_as_its_own() -> None:
         (["--prefill-tokens-while-decoding", "-16"], "-16 is negative (0: off)"),
         (["--num-requests", "0"], "argument --num-requests: 0 is not >= 1"),
         (["--rounds", "two"], "'two' is not an integer"),
+        (["--itl-stretches", "0.5"], "0 (off) or a multiple >= 1"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -205,6 +217,11 @@ def test_bad_flags_are_usage_errors(
     ("flags", "message"),
     [
         (["--modes", "disaggregated", "--prefill-chunk-budgets", "128"], "add colocated to --modes"),
+        (["--modes", "disaggregated", "--itl-stretches", "0,1.5"], "add conditional to --modes"),
+        (
+            ["--modes", "conditional", "--itl-stretches", "1.5", "--router-itl-stretch", "2"],
+            "give one",
+        ),
         (["--rates", "1,2", "--scale-rate", "4"], "--scale-rate 4 is not one of --rates"),
         (
             ["--target", "127.0.0.1:1", "--control-planes", "curve,plain"],
