@@ -63,14 +63,14 @@ kvbench: setup
 # idles; one long prompt at a time, its chunk capped at 256 tokens on P and 128 where decodes run;
 # D pulls the KV over UCX. Conditional runs twice: as above, and with --itl-stretch 1.5 (a chat
 # prefills on D only while D decodes nothing; else on P), its two operating points side by side.
-# Rates to 4 req/s: on a faster host every mode met the SLO at 2.5 (session 34). About 25 minutes on a
+# Rates to 8 req/s: on a faster host colocated met the SLO up to 6 (session 34). About 25 minutes on a
 # quiet 2-core box; STUDY_ARGS adds or overrides flags (e.g. `STUDY_ARGS="--rounds 2"`).
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
 STUDY_ARGS  ?=
 study: setup
 	taskset -c 0 $(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256 \
-		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2,2.5,3,4 \
+		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2,2.5,3,4,6,8 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 1 \
 		--pin coordinator=0,prefill=0,decode=1,colocated=0-1 --threads prefill=1,decode=1,colocated=2 \
 		--prefill-tokens-while-decoding 0 --prefill-ms-while-decoding 30 --router-local-prefill-max-tokens 2048 \
