@@ -12,15 +12,17 @@ from splitserve.v1 import control_pb2
 from tests.workers.conftest import Cluster, endpoint, execution_request
 from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt, wait_until
 
-LEASE_MS = 250  # well over one P step on a loaded 2-core box, well under 300 of them
-LONG, SHORT = 1200, 8  # P computes 4 tokens a step: the long prompt holds its queue for 300 steps
+LEASE_MS = 250  # well over one P step on a loaded 2-core box, well under 400 of them
+# P computes 4 tokens a step: the long prompt (400 of the pools' 600 blocks of 4 tokens) holds
+# P's queue for 400 steps (300 took 240-250 ms on session 34's fast host, under the lease)
+LONG, SHORT = 1600, 8
 
 
 async def test_a_request_queued_on_p_longer_than_the_lease_completes_without_expiring(
     cluster: Cluster,
 ) -> None:
-    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=4, num_blocks=400)
-    d = await cluster.start("decode", "d0", lease_ms=LEASE_MS, num_blocks=400)
+    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=4, num_blocks=600)
+    d = await cluster.start("decode", "d0", lease_ms=LEASE_MS, num_blocks=600)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
     reqs = [
@@ -67,8 +69,8 @@ async def test_p_lost_mid_queue_frees_ds_blocks_without_waiting_for_the_queue_le
 ) -> None:
     """P's transport dies (as with a killed process) while request 2 waits in its queue: D's
     reservations end at once (the session's peer loss, or P's Abort), not after --queue-lease-ms."""
-    p = await cluster.start("prefill", "p0", max_num_batched_tokens=8, num_blocks=400)
-    d = await cluster.start("decode", "d0", queue_lease_ms=120_000, num_blocks=400)
+    p = await cluster.start("prefill", "p0", max_num_batched_tokens=8, num_blocks=600)
+    d = await cluster.start("decode", "d0", queue_lease_ms=120_000, num_blocks=600)
     coord, rng = cluster.coordinator, random.Random(5)
     identity = p.engine.loaded.identity
     for rid, n in ((1, LONG), (2, SHORT)):
