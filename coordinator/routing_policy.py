@@ -9,6 +9,12 @@ from dataclasses import dataclass
 DISAGGREGATION = ("always", "never", "conditional")  # the first is the default
 TPOT_GUARDS = ("ceiling", "increment")  # the first is the default
 FIRST_TOKEN_FROM = ("decode", "prefill")  # the first is the default
+ITL_STRETCH_RULE = "0 (off) or >= 1 (a multiple of the decode step)"
+
+
+def valid_itl_stretch(stretch: float) -> bool:
+    """Whether `stretch` is an `itl_stretch` (ITL_STRETCH_RULE; NaN is not)."""
+    return stretch == 0 or stretch >= 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +81,5 @@ class RoutingPolicy:
             raise ValueError(f"--local-first-ttft-ms must be >= 0 (0 = off), got {self.local_first_ttft_ms}")
         if not self.ttft_slo_ms >= 0:
             raise ValueError(f"--ttft-slo-ms must be >= 0 (0 = off), got {self.ttft_slo_ms}")
-        if not (self.itl_stretch == 0 or self.itl_stretch >= 1):
-            raise ValueError(
-                f"--itl-stretch must be 0 (off) or >= 1 (a multiple of the decode step), got {self.itl_stretch}"
-            )
+        if not valid_itl_stretch(self.itl_stretch):
+            raise ValueError(f"--itl-stretch must be {ITL_STRETCH_RULE}, got {self.itl_stretch}")

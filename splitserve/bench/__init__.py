@@ -26,7 +26,12 @@ import json
 import sys
 from pathlib import Path
 
-from coordinator.routing_policy import FIRST_TOKEN_FROM, TPOT_GUARDS
+from coordinator.routing_policy import (
+    FIRST_TOKEN_FROM,
+    ITL_STRETCH_RULE,
+    TPOT_GUARDS,
+    valid_itl_stretch,
+)
 from kvtransfer.bench.busy import BusyLoops
 from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
 from splitserve.bench.host import host_info
@@ -56,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--itl-stretches",
-        type=csv_of(float, "0 (off) or a multiple >= 1", lambda x: x == 0 or x >= 1),
+        type=csv_of(float, ITL_STRETCH_RULE, valid_itl_stretch),
         default=[],
         help="conditional only: one variant per coordinator --itl-stretch (e.g. 0,1.5: its two "
         "operating points side by side; default: one variant, --router-itl-stretch or the coordinator's)",
@@ -144,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a(
         "--router-itl-stretch",
-        type=non_negative_float,
+        type=checked(itl_stretch),
         default=None,
         help="the coordinator's --itl-stretch (conditional: prefill on a decode worker that is decoding "
         "only while the step carrying the prompt stays within this multiple of its decode step; "
@@ -211,6 +216,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="write attainment-vs-rate.png and attainment-vs-slo-scale.png here",
     )
+
+
+def itl_stretch(text: str) -> float:
+    """`--router-itl-stretch`: a number the coordinator's --itl-stretch takes (ITL_STRETCH_RULE)."""
+    try:
+        stretch = float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not valid_itl_stretch(stretch):
+        raise ValueError(f"{text} is not {ITL_STRETCH_RULE}")
+    return stretch
 
 
 def router_targets(args: argparse.Namespace) -> Latency:

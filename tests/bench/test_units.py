@@ -201,7 +201,8 @@ def test_router_flags_reach_the_coordinator_as_its_own() -> None:
         (["--prefill-tokens-while-decoding", "-16"], "-16 is negative (0: off)"),
         (["--num-requests", "0"], "argument --num-requests: 0 is not >= 1"),
         (["--rounds", "two"], "'two' is not an integer"),
-        (["--itl-stretches", "0.5"], "0 (off) or a multiple >= 1"),
+        (["--itl-stretches", "0.5"], "'0.5' is not 0 (off) or >= 1 (a multiple of the decode step)"),
+        (["--router-itl-stretch", "0.5"], "0.5 is not 0 (off) or >= 1 (a multiple of the decode step)"),
     ],
 )
 def test_bad_flags_are_usage_errors(
