@@ -112,6 +112,17 @@ no gap to stretch, so an idle decode worker still prefills short prompts itself 
 study: a 64-token chat whole in one step of a decoding D was estimated at 39-60 ms against a 10 ms
 decode step; those steps made conditional's ITL p99 1.6-4.8x unloaded).
 
+Prompt lanes: a prefill worker with `--max-prompt-tokens N` takes sequences of at most N tokens, and
+one with `--cpu-priority idle` (SCHED_IDLE) computes only while its CPUs have nothing else to run, so
+the router ranks it after every normal-priority prefill worker that takes the prompt, and does not
+count its work as holding cores a decode worker could borrow. Two prefill workers pinned to the same
+cores, a short lane at normal priority and a long one at idle priority, let a chat's prefill preempt
+a document's mid-chunk: the kernel runs the chat's thread the moment it is runnable (session 35,
+engine alone on one core: a 64-token prefill took 40.6 ms beside a 1,024-token prefill loop at
+SCHED_IDLE, 40.8 alone, and 82.1 beside one at the same priority). Without lanes a chat sent to a
+prefill worker waited out the rest of a document's 256-token chunk there (issue 12's study at 1-2
+req/s: remote chats' TTFT 60-460 ms against 50-70 for the best colocated budget).
+
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): all its prompt
 work (`work`: queued, placed since, and this prompt's uncached tokens), in whatever order, lands in
 its steps, `spare` a step, on top of the decodes, adding `prompt(work)` of step time. A running
@@ -418,10 +429,12 @@ class Router:
         return max(waits)
 
     def _prefill_workers_idle(self) -> bool:
-        """No READY prefill worker has prompt work, reported or placed since: their cores are free
-        to borrow (module doc)."""
+        """No READY prefill worker at normal priority has prompt work, reported or placed since: their
+        cores are free to borrow (module doc; one at idle priority yields them anyway)."""
         return not any(
-            w.load.queued_tokens + w.pending_tokens for w in self.registry.ready() if w.role == PREFILL
+            w.load.queued_tokens + w.pending_tokens
+            for w in self.registry.ready()
+            if w.role == PREFILL and not w.idle_priority
         )
 
     def on_borrowed_cores(self, decode: WorkerInfo, uncached: int) -> bool:
@@ -536,17 +549,20 @@ class Router:
         return target <= 0 or remote.remote_ttft_ms <= target
 
     def _place_remote(self, token_ids: Sequence[int], hashes: dict[int, list[int]]) -> Placement | None:
-        """The lowest-TTFT prefill worker that pairs with a decode worker with room (or a colocated
-        worker with room), with the transfer estimate of that decode worker."""
+        """The lowest-TTFT prefill worker whose lane takes the sequence and that pairs with a decode
+        worker with room (or a colocated worker with room), with the transfer estimate of that decode
+        worker; one at idle priority only when none at normal priority does."""
         options = []
         idle_claim = self.claim_wait_ms()  # a prefill worker's; a colocated worker lends nothing
         for worker in self.registry.ready():
-            if worker.does_prefill:
+            if worker.does_prefill and worker.takes_sequence(len(token_ids)):
                 ttft, cached = self.estimate_ttft(worker, token_ids, hashes)
                 factor = self.long_ttft_factor(worker, len(token_ids) - cached, REMOTE)  # colocated: 1
                 claim = idle_claim if worker.role == PREFILL else 0.0
                 options.append((ttft * factor + claim, worker.worker_id, worker, cached, factor, claim))
-        for ttft, _, prefill, cached, factor, claim in sorted(options, key=lambda o: (o[0], o[1])):
+        # an idle-priority worker only after every one at normal priority (module doc: prompt lanes)
+        ranked = sorted(options, key=lambda o: (o[2].idle_priority, o[0], o[1]))
+        for ttft, _, prefill, cached, factor, claim in ranked:
             if prefill.role == COLOCATED:
                 fits = prefill.free_blocks_estimate >= blocks_for(len(token_ids), prefill.block_size)
                 decode = prefill if fits else None

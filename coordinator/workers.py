@@ -87,6 +87,16 @@ class WorkerInfo:
         return self.role in (DECODE, COLOCATED)
 
     @property
+    def idle_priority(self) -> bool:
+        """A prefill worker at SCHED_IDLE (`--cpu-priority idle`): the lane of last resort."""
+        return self.register.idle_priority
+
+    def takes_sequence(self, num_tokens: int) -> bool:
+        """Whether its lane (`--max-prompt-tokens`, 0: any) takes a sequence of `num_tokens`."""
+        cap = self.register.max_prompt_tokens
+        return not cap or num_tokens <= cap
+
+    @property
     def free_blocks_estimate(self) -> int:
         """Allocatable blocks (free + evictable cached) as last reported, less what was placed since."""
         return self.pool.free_blocks + self.pool.cached_blocks - self.pending_blocks

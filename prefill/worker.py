@@ -76,8 +76,10 @@ class PrefillWorker(WorkerRole):
         if why is None:
             try:
                 prompt, output = wire.unpack_ids(req.prompt_token_ids), wire.unpack_ids(req.output_token_ids)
-                rid = engine_request_id(req.rid, req.generation)
-                seq = self.engine.add_request(rid, prompt, sampling_params(req), output)
+                why = self._lane_refusal(len(prompt) + len(output))
+                if why is None:
+                    rid = engine_request_id(req.rid, req.generation)
+                    seq = self.engine.add_request(rid, prompt, sampling_params(req), output)
             except ValueError as exc:
                 why = str(exc)
         if why is not None:
@@ -89,6 +91,14 @@ class PrefillWorker(WorkerRole):
         if early is not None:
             await self._attach(job, early)
         self.stepper.wake()
+
+    def _lane_refusal(self, num_tokens: int) -> str | None:
+        """Why a sequence of `num_tokens` is not this worker's to prefill (its `--max-prompt-tokens`
+        lane; the router never sends one, so this is the coordinator's bug or an older one's)."""
+        cap = self.settings.max_prompt_tokens
+        if cap and num_tokens > cap:
+            return f"{num_tokens} tokens: this worker takes sequences of at most {cap} (--max-prompt-tokens)"
+        return None
 
     async def handle_reassign(self, msg: Received) -> None:
         r = msg.envelope.reassign

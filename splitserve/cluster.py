@@ -43,6 +43,7 @@ log = structlog.get_logger(__name__)
 READY_PREFIX = "SPLITSERVE_READY "
 # Deployment modes, in one place (`serve --mode`, `bench --modes`): a new mode is one entry here.
 MODES = ("disaggregated", "colocated", "conditional")  # ClusterSpec.mode
+SHORT_LANE_ID = "prefill-short"  # ClusterSpec.short_prompt_lane's worker
 
 
 class ClusterError(RuntimeError):
@@ -115,20 +116,41 @@ class ClusterSpec:
     # the prefill workers lend their pinned CPUs while idle; the decode workers borrow them for prompt
     # steps (engine/worker/core_lease.py); needs cpus["prefill"], ignored by colocated clusters
     share_idle_cores: bool = False
+    # > 0: one more prefill worker, `prefill-short`, takes sequences of at most this many tokens at
+    # normal priority while the others run at idle priority on the same CPUs (coordinator/router.py,
+    # "Prompt lanes"); only the short lane lends its CPUs
+    short_prompt_lane: int = 0
 
     def __post_init__(self) -> None:
         if self.share_idle_cores and self.mode != "colocated" and not self.cpus.get("prefill"):
             raise ValueError(
                 "sharing idle cores needs the prefill workers pinned (--pin prefill=CPUS): their CPUs are lent"
             )
+        if self.short_prompt_lane < 0:
+            raise ValueError(
+                f"the short prompt lane must be >= 0 tokens (0: none), got {self.short_prompt_lane}"
+            )
+        if self.short_prompt_lane and self.mode == "colocated":
+            raise ValueError("a short prompt lane is a prefill worker: colocated clusters have none")
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(role, worker id) of every worker, in start order; each id starts with its role."""
         if self.mode == "colocated":
             return [("colocated", f"colocated-{i}") for i in range(self.decode_workers)]
-        return [("prefill", f"prefill-{i}") for i in range(self.prefill_workers)] + [
-            ("decode", f"decode-{i}") for i in range(self.decode_workers)
+        lane = [("prefill", SHORT_LANE_ID)] if self.short_prompt_lane else []
+        return [
+            *(("prefill", f"prefill-{i}") for i in range(self.prefill_workers)),
+            *lane,
+            *(("decode", f"decode-{i}") for i in range(self.decode_workers)),
         ]
+
+    def lane_args(self, role: str, worker_id: str) -> list[str]:
+        """A worker's lane flags: the short lane's cap, idle priority for the other prefill workers."""
+        if not self.short_prompt_lane or role != "prefill":
+            return []
+        if worker_id == SHORT_LANE_ID:
+            return ["--max-prompt-tokens", str(self.short_prompt_lane)]
+        return ["--cpu-priority", "idle"]
 
 
 class LocalCluster:
@@ -262,15 +284,26 @@ class LocalCluster:
         if threshold is not None:
             command += ["--long-prefill-token-threshold", str(threshold)]
         extra = self.spec.prefill_args if role == "prefill" else self.spec.decode_args
+        lane = self.spec.lane_args(role, wid)
         return self._launch(
             role,
             wid,
-            [*command, *self._worker_common, "--worker-id", wid, *security, *self._core_args(role), *extra],
+            [
+                *command,
+                *self._worker_common,
+                "--worker-id",
+                wid,
+                *security,
+                *lane,
+                *self._core_args(role, idle="idle" in lane),
+                *extra,
+            ],
         )
 
-    def _core_args(self, role: str) -> list[str]:
-        """A worker's core-lease flags: prefill workers lend, decode workers borrow the prefill CPUs."""
-        if self._lease_dir is None or role not in ("prefill", "decode"):
+    def _core_args(self, role: str, idle: bool = False) -> list[str]:
+        """A worker's core-lease flags: prefill workers lend (not one at idle priority: it yields
+        its CPUs anyway), decode workers borrow the prefill CPUs."""
+        if self._lease_dir is None or role not in ("prefill", "decode") or idle:
             return []
         lease = ["--core-lease-dir", str(self._lease_dir)]
         if role == "prefill":

@@ -5,7 +5,8 @@ or `--threads prefill=1,decode=1` sets `OMP_NUM_THREADS` (torch's intra-op pool)
 `--long-prefill-token-threshold 128` or `prefill=256,decode=128` caps one prompt's tokens a step per
 role. Roles are the process roles of `splitserve.cluster`: coordinator, prefill, decode, colocated.
 The launcher applies them in the child: `os.sched_setaffinity` before exec, the thread count through
-the environment the child starts with, the threshold as the worker's flag.
+the environment the child starts with, the threshold as the worker's flag. A worker started with
+`--cpu-priority idle` drops itself to SCHED_IDLE (`run_at_idle_priority`).
 """
 
 from __future__ import annotations
@@ -86,3 +87,13 @@ def pin_hook(cpus: tuple[int, ...] | None) -> Callable[[], None] | None:
     if not cpus:
         return None
     return lambda: os.sched_setaffinity(0, set(cpus))
+
+
+def run_at_idle_priority() -> None:
+    """Move every thread of this process, and so every thread it starts later, to SCHED_IDLE: they run
+    only while their CPUs have nothing else to run. Lowering a priority needs no privilege. Linux only
+    (RuntimeError elsewhere: the lane it serves relies on it)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        raise RuntimeError("--cpu-priority idle needs Linux's SCHED_IDLE")
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))

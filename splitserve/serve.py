@@ -9,7 +9,7 @@ import threading
 from engine.config import DTYPES
 from engine.model_dir import MODEL_HELP
 from engine.worker.settings import TRANSFER_BACKENDS, field_defaults
-from splitserve.argtypes import checked
+from splitserve.argtypes import checked, non_negative
 from splitserve.cluster import MODES, ClusterSpec
 from splitserve.launch import choose_log_dir, say, started
 from splitserve.placement import parse_long_prefill_thresholds, parse_pins, parse_threads
@@ -64,6 +64,15 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="the decode workers also run their prompt steps on the prefill workers' CPUs while those "
         "are idle (needs --pin prefill=CPUS; not for --mode colocated)",
     )
+    parser.add_argument(
+        "--short-prompt-lane",
+        type=non_negative,
+        default=field_defaults(ClusterSpec)["short_prompt_lane"],
+        metavar="TOKENS",
+        help="one more prefill worker on the prefill CPUs takes sequences of at most TOKENS at normal "
+        "priority while the others run at idle priority, so a short prompt never waits out a long one "
+        "(0: none; not for --mode colocated)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -97,6 +106,7 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
         cpus=dict(args.pin),
         threads=dict(args.threads),
         share_idle_cores=args.share_idle_cores,
+        short_prompt_lane=args.short_prompt_lane,
     )
 
 

@@ -194,6 +194,11 @@ def run_worker(args: argparse.Namespace, role: str, role_class: type[WorkerRole]
         sys.stderr.write(f"splitserve {role}: error: {exc}\n")
         return 2
     configure_logging(role=role, worker_id=settings.worker_id)
+    if settings.cpu_priority == "idle":  # before any thread starts: they inherit it
+        from splitserve.placement import run_at_idle_priority
+
+        run_at_idle_priority()
+        log.info("cpu priority", policy="SCHED_IDLE")
     return asyncio.run(_main(settings, role_class))
 
 

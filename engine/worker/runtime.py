@@ -177,6 +177,8 @@ class WorkerControl:
                     kv_layout=self.kv_layout,
                     num_blocks=self.pool.num_blocks,
                     transfer_backend=s.transfer_backend,
+                    max_prompt_tokens=s.max_prompt_tokens,
+                    idle_priority=s.cpu_priority == "idle",
                 )
             )
         )

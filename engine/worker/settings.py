@@ -25,6 +25,7 @@ ROLES = ("prefill", "decode", "colocated")
 TRANSFER_BACKENDS = ("ucx", "tcp", "nixl")  # nixl: the `nixl` extra
 PULL_BACKENDS = ("ucx", "nixl")  # the backends with one-sided reads (kvtransfer.pull)
 KV_TRANSFER_MODES = ("auto", "push", "pull")
+CPU_PRIORITIES = ("normal", "idle")  # idle: SCHED_IDLE (splitserve.placement.run_at_idle_priority)
 
 
 @dataclass(slots=True)
@@ -58,6 +59,10 @@ class WorkerSettings:
     lend_cores: bool = False
     borrow_cores: tuple[int, ...] = ()
     core_lease_dir: str = ""  # the host's lease files; "": <temp dir>/splitserve-<uid>-cores
+    # prefill lanes (coordinator/router.py, "Prompt lanes"): the longest sequence this prefill worker
+    # takes (0: any), and its CPU priority (idle: it computes only while its CPUs have nothing else)
+    max_prompt_tokens: int = 0
+    cpu_priority: str = "normal"
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -89,10 +94,29 @@ class WorkerSettings:
             raise ValueError(
                 f"--lease-ms and --queue-lease-ms must be positive, got {self.lease_ms}, {self.queue_lease_ms}"
             )
+        self._check_lane()
         if not self.served_model_name:
             self.served_model_name = default_served_name(self.model)
         if not self.core_lease_dir:
             self.core_lease_dir = os.path.join(tempfile.gettempdir(), f"splitserve-{os.getuid()}-cores")
+
+    def _check_lane(self) -> None:
+        """ValueError for a lane setting that cannot work: either outside a prefill worker (a decode
+        worker's prompts are the router's `--local-prefill-max-tokens`), a negative cap, or an idle
+        worker that lends its cores (a lender at normal priority on the same cores would wait for its
+        lease while the idle one cannot run: lanes on shared cores lend from the normal one)."""
+        if self.cpu_priority not in CPU_PRIORITIES:
+            raise ValueError(f"--cpu-priority must be one of {CPU_PRIORITIES}, got {self.cpu_priority!r}")
+        if self.max_prompt_tokens < 0:
+            raise ValueError(f"--max-prompt-tokens must be >= 0 (0: any), got {self.max_prompt_tokens}")
+        lane = self.max_prompt_tokens > 0 or self.cpu_priority != "normal"
+        if lane and self.role != "prefill":
+            raise ValueError("--max-prompt-tokens and --cpu-priority set a prefill worker's lane")
+        if self.cpu_priority == "idle" and self.lend_cores:
+            raise ValueError(
+                "--cpu-priority idle with --lend-cores: an idle-priority worker would hold its cores' "
+                "leases while anything else on them runs first; lend from a normal-priority worker"
+            )
 
     @property
     def pulls(self) -> bool:
@@ -273,6 +297,21 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         help="directory of this host's core lease files, shared by the lending and borrowing workers "
         "(mode 0700; default: <temp dir>/splitserve-UID-cores)",
     )
+    if not with_mode:  # a prefill worker's lane
+        a(
+            "--max-prompt-tokens",
+            type=int,
+            default=w["max_prompt_tokens"],
+            help="take only sequences of at most this many tokens (0: any): a short-prompt lane beside "
+            "a prefill worker that takes the long ones",
+        )
+        a(
+            "--cpu-priority",
+            choices=CPU_PRIORITIES,
+            default=w["cpu_priority"],
+            help="idle: run at SCHED_IDLE, computing only while this worker's CPUs have nothing else "
+            "to run (the long-prompt lane beside a --max-prompt-tokens one on the same cores)",
+        )
     add_control_security_arguments(parser)
     a("--coordinator-public-key", default="", help="the coordinator's CurveZMQ public key file (NAME.key)")
     if with_mode:
@@ -294,6 +333,7 @@ def _cpu_set(text: str) -> tuple[int, ...]:
 
 
 def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
+    w = field_defaults(WorkerSettings)
     engine = EngineConfig(
         block_size=args.block_size,
         num_blocks=args.num_gpu_blocks,
@@ -329,13 +369,13 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         kv_message_bytes=args.kv_message_bytes,
         kv_direct_bytes=args.kv_direct_bytes,
         ucx_progress_mode=args.ucx_progress_mode,
-        kv_transfer_mode=getattr(
-            args, "kv_transfer_mode", field_defaults(WorkerSettings)["kv_transfer_mode"]
-        ),
+        kv_transfer_mode=getattr(args, "kv_transfer_mode", w["kv_transfer_mode"]),
         control_key=args.control_key,
         coordinator_public_key=args.coordinator_public_key,
         insecure_control_plane=bool(args.insecure_control_plane),
         lend_cores=args.lend_cores,
         borrow_cores=args.borrow_cores,
         core_lease_dir=args.core_lease_dir,
+        max_prompt_tokens=getattr(args, "max_prompt_tokens", w["max_prompt_tokens"]),
+        cpu_priority=getattr(args, "cpu_priority", w["cpu_priority"]),
     )

@@ -67,6 +67,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "operating points side by side; default: one variant, --router-itl-stretch or the coordinator's)",
     )
     a(
+        "--short-prompt-lanes",
+        type=csv_of(int, "a token count >= 0 (0: no lane)", lambda n: n >= 0),
+        default=[],
+        help="disaggregated and conditional: one variant per --short-prompt-lane (e.g. 0,256: the "
+        "prefill pool without and with a short prompt lane, side by side)",
+    )
+    a(
         "--control-planes",
         type=csv_of(str, f"a control plane ({', '.join(CONTROL_PLANES)})", lambda c: c in CONTROL_PLANES),
         default=None,
@@ -288,8 +295,12 @@ def _usage_error(args: argparse.Namespace) -> str:
         return "--itl-stretches sets conditional's router: add conditional to --modes"
     if args.itl_stretches and args.router_itl_stretch is not None:
         return "--itl-stretches and --router-itl-stretch both set the bound: give one"
-    if args.target and (args.control_planes or args.rounds > 1):
-        return "--control-planes and --rounds start local clusters: drop --target"
+    if args.short_prompt_lanes and not {"disaggregated", "conditional"} & set(modes):
+        return "--short-prompt-lanes sets a prefill pool: add disaggregated or conditional to --modes"
+    if args.short_prompt_lanes and args.short_prompt_lane:
+        return "--short-prompt-lanes and --short-prompt-lane both set the lane: give one"
+    if args.target and (args.control_planes or args.short_prompt_lanes or args.rounds > 1):
+        return "--control-planes, --short-prompt-lanes and --rounds start local clusters: drop --target"
     if args.scale_rate is not None and args.scale_rate not in args.rates:
         return f"--scale-rate {args.scale_rate:g} is not one of --rates"
     if args.target and args.modes and len(args.modes) > 1:
@@ -326,7 +337,9 @@ def run(args: argparse.Namespace) -> int:
     )
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
-    vs = variants(modes, args.prefill_chunk_budgets, planes, args.rounds, args.itl_stretches)
+    vs = variants(
+        modes, args.prefill_chunk_budgets, planes, args.rounds, args.itl_stretches, args.short_prompt_lanes
+    )
     targets = router_targets(args)
     spec = None
     if not args.target:
@@ -348,6 +361,7 @@ def run(args: argparse.Namespace) -> int:
         "pin": {k: list(v) for k, v in args.pin.items()},
         "threads": args.threads,
         "share_idle_cores": args.share_idle_cores,
+        "short_prompt_lane": args.short_prompt_lane,
         "router_ttft_slo_ms": None if args.target else targets.ttft_ms,
         "router_tpot_slo_ms": None if args.target else targets.tpot_ms,
         "router_tpot_guard": args.router_tpot_guard,

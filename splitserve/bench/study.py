@@ -58,11 +58,13 @@ class Variant:
     rounds: int = 1
     compares_planes: bool = False  # the study runs both control planes: "+plain" names the plaintext one
     itl_stretch: float | None = None  # conditional's coordinator --itl-stretch (None: as the flags say)
+    short_lane: int | None = None  # ClusterSpec.short_prompt_lane (None: as the flags say)
 
     @property
     def name(self) -> str:
         name = self.mode if self.chunk_budget is None else f"{self.mode}@{self.chunk_budget}"
         name += f"~itl{self.itl_stretch:g}" if self.itl_stretch else ""
+        name += f"+lane{self.short_lane}" if self.short_lane else ""
         name += "+plain" if self.compares_planes and self.control_plane == "plain" else ""
         return name if self.rounds == 1 else f"{name}#{self.round + 1}"
 
@@ -73,10 +75,11 @@ def variants(
     control_planes: list[str] | None = None,
     rounds: int = 1,
     itl_stretches: Sequence[float] = (),
+    short_lanes: Sequence[int] = (),
 ) -> list[Variant]:
     """One variant per mode (colocated once per chunk budget when budgets are given, conditional once
-    per ITL stretch when those are) and control plane, `rounds` times, every other round in reverse
-    order."""
+    per ITL stretch when those are, the modes with prefill workers once per short prompt lane when
+    those are) and control plane, `rounds` times, every other round in reverse order."""
     planes = control_planes or ["curve"]
     out = []
     for r in range(rounds):
@@ -86,9 +89,13 @@ def variants(
             bounds: list[float | None] = (
                 list(itl_stretches) if mode == "conditional" and itl_stretches else [None]
             )
+            lanes: list[int | None] = list(short_lanes) if mode != "colocated" and short_lanes else [None]
             for plane in planes:
                 one += [
-                    Variant(mode, b, plane, r, rounds, len(set(planes)) > 1, x) for b in tuned for x in bounds
+                    Variant(mode, b, plane, r, rounds, len(set(planes)) > 1, x, lane)
+                    for b in tuned
+                    for x in bounds
+                    for lane in lanes
                 ]
         out += one if r % 2 == 0 else one[::-1]
     return out
@@ -97,12 +104,14 @@ def variants(
 def variant_spec(base: ClusterSpec, v: Variant, decode_caps: Sequence[str] = ()) -> ClusterSpec:
     """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget (colocated)
     or `decode_caps` (the decode workers' flags in the other modes), its coordinator args `v`'s ITL
-    stretch (after the base's: the last flag wins); logs in a subdirectory."""
+    stretch (after the base's: the last flag wins), its prefill pool `v`'s short prompt lane (none
+    in colocated mode); logs in a subdirectory."""
     extra = [] if v.chunk_budget is None else [BUDGET_FLAG, str(v.chunk_budget)]
     if v.mode != "colocated":
         extra += decode_caps
     stretch = [] if v.itl_stretch is None else ["--itl-stretch", f"{v.itl_stretch:g}"]
     log_dir = None if base.log_dir is None else base.log_dir / v.name
+    lane = base.short_prompt_lane if v.short_lane is None else v.short_lane
     return dataclasses.replace(
         base,
         mode=v.mode,
@@ -110,6 +119,7 @@ def variant_spec(base: ClusterSpec, v: Variant, decode_caps: Sequence[str] = ())
         decode_args=[*base.decode_args, *extra],
         log_dir=log_dir,
         insecure_control_plane=v.control_plane == "plain",
+        short_prompt_lane=0 if v.mode == "colocated" else lane,
     )
 
 
@@ -207,6 +217,7 @@ def _row(
         "chunk_budget": v.chunk_budget,
         "control_plane": v.control_plane,
         "itl_stretch": v.itl_stretch,
+        "short_lane": v.short_lane,
         "round": v.round,
         "rate": rate,
     }
@@ -295,6 +306,7 @@ def run_study(
                 "chunk_budget": v.chunk_budget,
                 "control_plane": v.control_plane,
                 "itl_stretch": v.itl_stretch,
+                "short_lane": v.short_lane,
             }
             for v in vs
         ],

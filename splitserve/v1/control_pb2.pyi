@@ -361,6 +361,8 @@ class Register(_message.Message):
     KV_LAYOUT_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
     TRANSFER_BACKEND_FIELD_NUMBER: _builtins.int
+    MAX_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    IDLE_PRIORITY_FIELD_NUMBER: _builtins.int
     protocol_version: Global___ProtocolVersion.ValueType
     """ProtocolVersion the worker speaks."""
     role: _serving_pb2.WorkerRole.ValueType
@@ -379,6 +381,15 @@ class Register(_message.Message):
     """Blocks in the worker's KV pool; capacity in tokens is num_blocks * kv_layout.block_size."""
     transfer_backend: _builtins.str
     """Bulk transfer backend the worker listens with: "ucx" or "tcp"."""
+    max_prompt_tokens: _builtins.int
+    """A prefill worker's short-prompt lane (`--max-prompt-tokens`): the longest sequence, in tokens
+    (prompt + output so far), it takes; 0: any. The router sends it nothing longer.
+    """
+    idle_priority: _builtins.bool
+    """A prefill worker at idle CPU priority (`--cpu-priority idle`, SCHED_IDLE): it computes only while
+    its CPUs have nothing else to run, so the router gives it a prompt only when no prefill worker at
+    normal priority takes that prompt, and never counts it as holding its cores.
+    """
     @_builtins.property
     def endpoint(self) -> Global___WorkerEndpoint:
         """The worker's id and addresses."""
@@ -400,10 +411,12 @@ class Register(_message.Message):
         kv_layout: Global___KvLayout | None = ...,
         num_blocks: _builtins.int = ...,
         transfer_backend: _builtins.str = ...,
+        max_prompt_tokens: _builtins.int = ...,
+        idle_priority: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "kv_layout", b"kv_layout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "endpoint", b"endpoint", "incarnation", b"incarnation", "kv_layout", b"kv_layout", "model", b"model", "model_identity", b"model_identity", "num_blocks", b"num_blocks", "protocol_version", b"protocol_version", "role", b"role", "transfer_backend", b"transfer_backend"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "endpoint", b"endpoint", "idle_priority", b"idle_priority", "incarnation", b"incarnation", "kv_layout", b"kv_layout", "max_prompt_tokens", b"max_prompt_tokens", "model", b"model", "model_identity", b"model_identity", "num_blocks", b"num_blocks", "protocol_version", b"protocol_version", "role", b"role", "transfer_backend", b"transfer_backend"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -138,6 +138,28 @@ def test_itl_stretches_make_conditional_variants_with_the_coordinator_flag() -> 
     assert variant_spec(base, vs[0]).coordinator_args == ["--itl-stretch", "2"]
 
 
+def test_short_prompt_lanes_make_variants_of_the_modes_with_prefill_workers() -> None:
+    vs = variants(["colocated", "conditional"], [128], itl_stretches=[1.5], short_lanes=[0, 256])
+    assert [v.name for v in vs] == ["colocated@128", "conditional~itl1.5", "conditional~itl1.5+lane256"]
+    base = ClusterSpec(short_prompt_lane=64)  # a --short-prompt-lane: the variant's wins
+    assert [variant_spec(base, v).short_prompt_lane for v in vs] == [0, 0, 256]
+    assert variant_spec(base, Variant("disaggregated")).short_prompt_lane == 64
+
+
+def test_a_short_prompt_lane_is_one_more_prefill_worker_and_idles_the_others() -> None:
+    spec = ClusterSpec(prefill_workers=1, short_prompt_lane=256)
+    assert spec.worker_ids() == [
+        ("prefill", "prefill-0"),
+        ("prefill", "prefill-short"),
+        ("decode", "decode-0"),
+    ]
+    assert spec.lane_args("prefill", "prefill-short") == ["--max-prompt-tokens", "256"]
+    assert spec.lane_args("prefill", "prefill-0") == ["--cpu-priority", "idle"]
+    assert spec.lane_args("decode", "decode-0") == [] == ClusterSpec().lane_args("prefill", "prefill-0")
+    with pytest.raises(ValueError, match="colocated clusters have none"):
+        ClusterSpec(mode="colocated", short_prompt_lane=256)
+
+
 def test_the_decode_cap_goes_to_decode_workers_not_to_the_tuned_colocated_baseline() -> None:
     base = ClusterSpec(dtype="bfloat16")
     caps = decode_caps(16, 7.5)
@@ -203,6 +225,8 @@ def test_router_flags_reach_the_coordinator_as_its_own() -> None:
         (["--rounds", "two"], "'two' is not an integer"),
         (["--itl-stretches", "0.5"], "'0.5' is not 0 (off) or >= 1 (a multiple of the decode step)"),
         (["--router-itl-stretch", "0.5"], "0.5 is not 0 (off) or >= 1 (a multiple of the decode step)"),
+        (["--short-prompt-lane", "-1"], "-1 is negative"),
+        (["--short-prompt-lanes", "0,-64"], "'-64'"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -223,6 +247,8 @@ def test_bad_flags_are_usage_errors(
             ["--modes", "conditional", "--itl-stretches", "1.5", "--router-itl-stretch", "2"],
             "give one",
         ),
+        (["--modes", "colocated", "--short-prompt-lanes", "0,256"], "add disaggregated or conditional"),
+        (["--short-prompt-lanes", "256", "--short-prompt-lane", "128"], "give one"),
         (["--rates", "1,2", "--scale-rate", "4"], "--scale-rate 4 is not one of --rates"),
         (
             ["--target", "127.0.0.1:1", "--control-planes", "curve,plain"],

@@ -38,8 +38,15 @@ class Pool:
         self.router = Router(self.registry, policy)
 
     def add(
-        self, worker_id: str, role: str, num_blocks: int = 64, layout: str = "a", block_size: int = 16
+        self,
+        worker_id: str,
+        role: str,
+        num_blocks: int = 64,
+        layout: str = "a",
+        block_size: int = 16,
+        **lane: Any,
     ) -> WorkerInfo:
+        """Register a worker; `lane` sets Register's max_prompt_tokens / idle_priority."""
         reg = control_pb2.Register(
             protocol_version=control_pb2.PROTOCOL_VERSION_1,
             role=ROLES[role],
@@ -50,6 +57,7 @@ class Pool:
             context_length=self.model.context_length,
             kv_layout=control_pb2.KvLayout(block_size=block_size, hash=layout),
             num_blocks=num_blocks,
+            **lane,
         )
         assert self.registry.refusal(worker_id, reg) is None
         return self.registry.add(reg, now=0.0)[0]

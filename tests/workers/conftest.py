@@ -222,10 +222,12 @@ class Cluster:
         lease_ms: int = 10_000,
         queue_lease_ms: int = 120_000,
         kv_blocks_per_message: int = 0,
+        max_prompt_tokens: int = 0,
         **engine: Any,
     ) -> Worker:
         """Start a worker; `kv_blocks_per_message` > 0 makes kvtransfer split the KV into messages of
-        that many blocks (sent direct when the reserved ids are consecutive)."""
+        that many blocks (sent direct when the reserved ids are consecutive); `max_prompt_tokens` is a
+        prefill worker's lane."""
         engine.setdefault("block_size", 4)
         engine.setdefault("num_blocks", 64)
         settings = WorkerSettings(
@@ -237,6 +239,7 @@ class Cluster:
             transfer_backend=self.backend,
             lease_ms=lease_ms,
             queue_lease_ms=queue_lease_ms,
+            max_prompt_tokens=max_prompt_tokens,
             drain_timeout_s=5.0,
             register_timeout_s=WAIT_S,
             control_key=str(self.coordinator.keys.add_worker(worker_id, role)),

@@ -297,3 +297,21 @@ async def test_kv_streams_chunk_by_chunk_while_the_prefill_computes(
     )
     assert chunks is not None and chunks >= 3, f"the KV came in {chunks} chunk(s), not streamed"
     await assert_quiescent(cluster, p, d)
+
+
+async def test_a_short_lane_refuses_a_longer_sequence_and_serves_one_within_it(
+    cluster: Cluster, greedy: Callable[[list[int], int], list[int]]
+) -> None:
+    """The router never sends a `--max-prompt-tokens` lane more; if it did, the worker says why."""
+    p = await cluster.start("prefill", "p-short", max_prompt_tokens=8)
+    d = await cluster.start("decode", "d0")
+    coord = cluster.coordinator
+    await send_prefill(coord, p, d, execution_request(1, list(range(5, 14)), 4))  # 9 tokens
+    _, env = await coord.expect("abort")
+    assert (env.abort.rid, env.abort.reason) == (1, control_pb2.ABORT_REASON_WORKER_ERROR)
+    assert "at most 8 (--max-prompt-tokens)" in env.abort.message
+    prompt = list(range(5, 13))  # 8 tokens: the lane's
+    await dispatch(coord, p, d, execution_request(2, prompt, 4))
+    assert (await coord.collect({2}))[2] == (greedy(prompt, 4), LENGTH)
+    await coord.assert_pool_clean("p-short")
+    await coord.assert_pool_clean("d0")

@@ -12,6 +12,8 @@ import pytest
 
 from engine.worker.settings import WorkerSettings, add_worker_arguments, settings_from_args
 
+REQUIRED = ["--model", "tiny", "--coordinator", "127.0.0.1:1", "--worker-id", "w", "--insecure-control-plane"]
+
 
 def test_flag_defaults_are_the_settings_defaults() -> None:
     parser = argparse.ArgumentParser()
@@ -44,23 +46,14 @@ def test_ucx_progress_mode_choices_are_the_transports() -> None:
 def test_core_lease_flags() -> None:
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser, with_mode=True)
-    required = [
-        "--model",
-        "tiny",
-        "--coordinator",
-        "127.0.0.1:1",
-        "--worker-id",
-        "w",
-        "--insecure-control-plane",
-    ]
-    args = parser.parse_args([*required, "--borrow-cores", "0+2-3", "--core-lease-dir", "/run/cores"])
+    args = parser.parse_args([*REQUIRED, "--borrow-cores", "0+2-3", "--core-lease-dir", "/run/cores"])
     settings = settings_from_args(args, "decode")
     assert settings.borrow_cores == (0, 2, 3) and not settings.lend_cores
     assert settings.core_lease_dir == "/run/cores"
-    default = settings_from_args(parser.parse_args([*required, "--lend-cores"]), "prefill")
+    default = settings_from_args(parser.parse_args([*REQUIRED, "--lend-cores"]), "prefill")
     assert default.lend_cores and default.core_lease_dir.endswith("-cores")
     with pytest.raises(SystemExit):
-        parser.parse_args([*required, "--borrow-cores", "1-0"])
+        parser.parse_args([*REQUIRED, "--borrow-cores", "1-0"])
 
 
 def test_sharing_idle_cores_needs_the_prefill_workers_pinned() -> None:
@@ -102,3 +95,42 @@ def test_short_prompts_whole_needs_a_threshold(tmp_path: Path) -> None:
     add_worker_arguments(parser, with_mode=True)
     flags = [*args, "--worker-id", "w", "--short-prompts-whole", "--long-prefill-token-threshold", "128"]
     assert settings_from_args(parser.parse_args(flags), "decode").engine.short_prompts_whole
+
+
+def test_prompt_lane_flags_are_a_prefill_workers() -> None:
+    prefill = argparse.ArgumentParser()
+    add_worker_arguments(prefill)
+    args = prefill.parse_args([*REQUIRED, "--max-prompt-tokens", "256", "--cpu-priority", "idle"])
+    settings = settings_from_args(args, "prefill")
+    assert (settings.max_prompt_tokens, settings.cpu_priority) == (256, "idle")
+    decode = argparse.ArgumentParser()
+    add_worker_arguments(decode, with_mode=True)
+    with pytest.raises(SystemExit):
+        decode.parse_args([*REQUIRED, "--max-prompt-tokens", "256"])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"role": "prefill", "cpu_priority": "idle", "lend_cores": True}, "lend from a normal-priority"),
+        ({"role": "prefill", "max_prompt_tokens": -1}, "--max-prompt-tokens must be >= 0"),
+        ({"role": "prefill", "cpu_priority": "low"}, "--cpu-priority must be one of"),
+        ({"role": "decode", "max_prompt_tokens": 64}, "set a prefill worker's lane"),
+    ],
+)
+def test_a_lane_that_cannot_work_is_refused(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        WorkerSettings(model="tiny", coordinator="c:1", worker_id="w", insecure_control_plane=True, **fields)  # type: ignore[arg-type]
+
+
+def test_idle_priority_reaches_every_thread_and_the_threads_started_after() -> None:
+    code = (
+        "import os, threading\n"
+        "threading.Thread(target=threading.Event().wait, daemon=True).start()\n"
+        "from splitserve.placement import run_at_idle_priority\n"
+        "run_at_idle_priority()\n"
+        "t = threading.Thread(target=threading.Event().wait, daemon=True); t.start()\n"
+        "print(sorted({os.sched_getscheduler(int(tid)) for tid in os.listdir('/proc/self/task')}), len(os.listdir('/proc/self/task')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert out.stdout.split() == [f"[{os.SCHED_IDLE}]", "3"]
