@@ -68,7 +68,9 @@ class Worker:
             self.metrics.kv_cache_huge_page_share.set(share)
         staging_pool = staging.pool_for(self.engine.runner.kv_cache)
         self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
-        self.stepper = StepLoop(self.engine, self.metrics, leases)
+        self.stepper = StepLoop(
+            self.engine, self.metrics, leases, net_of_waits=settings.cpu_priority == "idle"
+        )
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
         self.control: WorkerControl | None = None

@@ -14,6 +14,14 @@ its own cores before computing and lends them whenever it waits for work; a borr
 prompt is pending, takes the free borrowed cores before scheduling (the time cap then prices that
 step's prompt tokens at their cost there), runs the step on them too, and gives them back as the
 step ends (at once when the step has no prompt work).
+
+A worker at idle CPU priority (`--cpu-priority idle`) is preempted mid-step by design, whenever
+anything else on its CPUs has work: its step costs (the router's price of its prompt tokens) are fitted
+to each forward's wall time less the time the step thread waited on a run queue meanwhile
+(`run_queue_wait_s`), or a long lane beside a busy short one priced its documents at 1.1-2.7 ms a token
+instead of about 0.7 and the router sent them to the decode worker (session 35). What the preemptions cost
+its first tokens is the calibration's (coordinator/ttft_calibration.py). Only the step thread's wait
+is subtracted: a team of several threads also waits at its barrier for a preempted member.
 """
 
 from __future__ import annotations
@@ -35,6 +43,19 @@ from engine.worker.core_lease import CoreLeases
 from engine.worker.metrics import WorkerMetrics
 
 log = structlog.get_logger(__name__)
+
+
+SCHEDSTAT = "/proc/thread-self/schedstat"  # Linux: ns on a CPU, ns waiting on a run queue, timeslices
+
+
+def run_queue_wait_s() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU since it started; 0 where
+    the kernel does not say (no schedstat)."""
+    try:
+        with open(SCHEDSTAT) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 @dataclass(slots=True)
@@ -59,12 +80,20 @@ class StepHandler(Protocol):
 
 
 class StepLoop:
-    """Runs `engine`'s steps until `stop()`. Created and driven by the worker; one per engine."""
+    """Runs `engine`'s steps until `stop()`. Created and driven by the worker; one per engine.
+    `net_of_waits`: fit the step costs to each forward's time less its run-queue wait (module doc)."""
 
-    def __init__(self, engine: LLMEngine, metrics: WorkerMetrics, leases: CoreLeases | None = None) -> None:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        metrics: WorkerMetrics,
+        leases: CoreLeases | None = None,
+        net_of_waits: bool = False,
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.leases = leases
+        self.net_of_waits = net_of_waits
         self.handler: StepHandler | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake = asyncio.Event()
@@ -136,7 +165,7 @@ class StepLoop:
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive
-            result = await loop.run_in_executor(self._executor, self._execute, out, borrowed)
+            result, waited = await loop.run_in_executor(self._executor, self._execute, out, borrowed)
         except Exception as exc:
             log.exception("model step failed", sequences=len(out.scheduled))
             self._end_step()
@@ -145,7 +174,7 @@ class StepLoop:
         finally:
             self._give_back()
         seconds = time.perf_counter() - start
-        outputs = self.engine.finish_step(out, result, seconds, widened=bool(borrowed))
+        outputs = self.engine.finish_step(out, result, seconds - waited, widened=bool(borrowed))
         self._end_step()
         self._account(out, seconds)
         await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
@@ -167,16 +196,20 @@ class StepLoop:
             self.leases.give_back()
         return []
 
-    def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> StepResult:
-        """On the step thread: the forward, on a team widened onto `borrowed` for this step only."""
+    def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> tuple[StepResult, float]:
+        """On the step thread: the forward, on a team widened onto `borrowed` for this step only, and
+        the seconds this thread waited for a CPU during it (0 unless `net_of_waits`)."""
+        before = run_queue_wait_s() if self.net_of_waits else 0.0
         if not borrowed:
-            return self.engine.execute(out)
-        assert self.leases is not None
-        self.leases.widen(borrowed)
-        try:
-            return self.engine.execute(out)
-        finally:
-            self.leases.narrow()
+            result = self.engine.execute(out)
+        else:
+            assert self.leases is not None
+            self.leases.widen(borrowed)
+            try:
+                result = self.engine.execute(out)
+            finally:
+                self.leases.narrow()
+        return result, run_queue_wait_s() - before if self.net_of_waits else 0.0
 
     async def _notify(self, call: Awaitable[None]) -> None:
         """Run a handler callback; its bug is logged, not fatal: the engine's state is already whole."""
