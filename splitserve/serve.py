@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
 from engine.config import DTYPES
@@ -84,30 +85,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -> ClusterSpec:
+    """The spec the flags describe, with its model fetched/converted/built once (before the workers
+    race for it). Flags that contradict each other are a usage error (exit 2) before anything loads."""
     from engine.model_dir import resolve_model_dir
     from splitserve.logs import configure_logging
 
+    try:
+        spec = ClusterSpec(
+            model=args.model,
+            prefill_workers=args.prefill_workers,
+            decode_workers=args.decode_workers,
+            mode=args.mode,
+            host=args.host,
+            port=getattr(args, "port", 0),
+            http_port=getattr(args, "http_port", 0),
+            transfer_backend=args.transfer_backend,
+            dtype=args.dtype,
+            long_prefill_token_threshold=dict(args.long_prefill_token_threshold),
+            insecure_control_plane=bool(args.insecure_control_plane),
+            cpus=dict(args.pin),
+            threads=dict(args.threads),
+            share_idle_cores=args.share_idle_cores,
+            short_prompt_lane=args.short_prompt_lane,
+        )
+    except ValueError as exc:
+        sys.stderr.write(f"splitserve: error: {exc}\n")
+        raise SystemExit(2) from None
     configure_logging(level="warning")  # the launcher's own logs until `started` opens its log file
-    # fetch/convert/build the model once, before the workers race for it
-    model = str(resolve_model_dir(args.model, say=say))
-    return ClusterSpec(
-        model=model,
-        prefill_workers=args.prefill_workers,
-        decode_workers=args.decode_workers,
-        mode=args.mode,
-        host=args.host,
-        port=getattr(args, "port", 0),
-        http_port=getattr(args, "http_port", 0),
-        transfer_backend=args.transfer_backend,
-        dtype=args.dtype,
-        long_prefill_token_threshold=dict(args.long_prefill_token_threshold),
-        log_dir=choose_log_dir(args.log_dir, log_files_by_default),
-        insecure_control_plane=bool(args.insecure_control_plane),
-        cpus=dict(args.pin),
-        threads=dict(args.threads),
-        share_idle_cores=args.share_idle_cores,
-        short_prompt_lane=args.short_prompt_lane,
-    )
+    spec.model = str(resolve_model_dir(args.model, say=say))
+    spec.log_dir = choose_log_dir(args.log_dir, log_files_by_default)
+    return spec
 
 
 def run(args: argparse.Namespace) -> int:

@@ -134,3 +134,24 @@ def test_idle_priority_reaches_every_thread_and_the_threads_started_after() -> N
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert out.stdout.split() == [f"[{os.SCHED_IDLE}]", "3"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--mode", "colocated", "--short-prompt-lane", "64"], "colocated clusters have none"),
+        (["--share-idle-cores"], "--pin prefill=CPUS"),
+    ],
+)
+def test_contradicting_cluster_flags_are_a_usage_error_before_the_model(
+    flags: list[str], message: str, tmp_path: Path
+) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve.cli", "serve", "--model", str(tmp_path / "no-model"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert message in out.stderr and "Traceback" not in out.stderr
+    assert "no-model" not in out.stderr  # it never got as far as the model
