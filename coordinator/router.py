@@ -121,7 +121,7 @@ a document's mid-chunk: the kernel runs the chat's thread the moment it is runna
 engine alone on one core: a 64-token prefill took 40.6 ms beside a 1,024-token prefill loop at
 SCHED_IDLE, 40.8 alone, and 82.1 beside one at the same priority). Without lanes a chat sent to a
 prefill worker waited out the rest of a document's 256-token chunk there (issue 12's study at 1-2
-req/s: remote chats' TTFT 60-460 ms against 50-70 for the best colocated budget).
+req/s: remote chats' TTFT 59-461 ms against a TTFT p50 of 50-68 for the best colocated budget).
 
 The TPOT a local prefill costs the decode worker (`RoutingPolicy.tpot_slo_ms` > 0): all its prompt
 work (`work`: queued, placed since, and this prompt's uncached tokens), in whatever order, lands in

@@ -144,13 +144,17 @@ class ClusterSpec:
             *(("decode", f"decode-{i}") for i in range(self.decode_workers)),
         ]
 
+    def idle_lane(self, role: str, worker_id: str) -> bool:
+        """Whether the worker is a long lane beside `prefill-short`: at idle priority, lending nothing."""
+        return bool(self.short_prompt_lane) and role == "prefill" and worker_id != SHORT_LANE_ID
+
     def lane_args(self, role: str, worker_id: str) -> list[str]:
         """A worker's lane flags: the short lane's cap, idle priority for the other prefill workers."""
-        if not self.short_prompt_lane or role != "prefill":
-            return []
-        if worker_id == SHORT_LANE_ID:
+        if self.idle_lane(role, worker_id):
+            return ["--cpu-priority", "idle"]
+        if self.short_prompt_lane and worker_id == SHORT_LANE_ID:
             return ["--max-prompt-tokens", str(self.short_prompt_lane)]
-        return ["--cpu-priority", "idle"]
+        return []
 
 
 class LocalCluster:
@@ -284,7 +288,6 @@ class LocalCluster:
         if threshold is not None:
             command += ["--long-prefill-token-threshold", str(threshold)]
         extra = self.spec.prefill_args if role == "prefill" else self.spec.decode_args
-        lane = self.spec.lane_args(role, wid)
         return self._launch(
             role,
             wid,
@@ -294,16 +297,16 @@ class LocalCluster:
                 "--worker-id",
                 wid,
                 *security,
-                *lane,
-                *self._core_args(role, idle="idle" in lane),
+                *self.spec.lane_args(role, wid),
+                *self._core_args(role, wid),
                 *extra,
             ],
         )
 
-    def _core_args(self, role: str, idle: bool = False) -> list[str]:
-        """A worker's core-lease flags: prefill workers lend (not one at idle priority: it yields
-        its CPUs anyway), decode workers borrow the prefill CPUs."""
-        if self._lease_dir is None or role not in ("prefill", "decode") or idle:
+    def _core_args(self, role: str, wid: str) -> list[str]:
+        """A worker's core-lease flags: prefill workers lend (not a long lane at idle priority: it
+        yields its CPUs anyway), decode workers borrow the prefill CPUs."""
+        if self._lease_dir is None or role not in ("prefill", "decode") or self.spec.idle_lane(role, wid):
             return []
         lease = ["--core-lease-dir", str(self._lease_dir)]
         if role == "prefill":

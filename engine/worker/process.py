@@ -68,9 +68,7 @@ class Worker:
             self.metrics.kv_cache_huge_page_share.set(share)
         staging_pool = staging.pool_for(self.engine.runner.kv_cache)
         self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
-        self.stepper = StepLoop(
-            self.engine, self.metrics, leases, net_of_waits=settings.cpu_priority == "idle"
-        )
+        self.stepper = StepLoop(self.engine, self.metrics, leases, net_of_waits=settings.idle_priority)
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
         self.control: WorkerControl | None = None
@@ -196,7 +194,7 @@ def run_worker(args: argparse.Namespace, role: str, role_class: type[WorkerRole]
         sys.stderr.write(f"splitserve {role}: error: {exc}\n")
         return 2
     configure_logging(role=role, worker_id=settings.worker_id)
-    if settings.cpu_priority == "idle":  # before any thread starts: they inherit it
+    if settings.idle_priority:  # before any thread starts: they inherit it
         from splitserve.placement import run_at_idle_priority
 
         run_at_idle_priority()

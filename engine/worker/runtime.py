@@ -178,7 +178,7 @@ class WorkerControl:
                     num_blocks=self.pool.num_blocks,
                     transfer_backend=s.transfer_backend,
                     max_prompt_tokens=s.max_prompt_tokens,
-                    idle_priority=s.cpu_priority == "idle",
+                    idle_priority=s.idle_priority,
                 )
             )
         )

@@ -112,11 +112,16 @@ class WorkerSettings:
         lane = self.max_prompt_tokens > 0 or self.cpu_priority != "normal"
         if lane and self.role != "prefill":
             raise ValueError("--max-prompt-tokens and --cpu-priority set a prefill worker's lane")
-        if self.cpu_priority == "idle" and self.lend_cores:
+        if self.idle_priority and self.lend_cores:
             raise ValueError(
                 "--cpu-priority idle with --lend-cores: an idle-priority worker would hold its cores' "
                 "leases while anything else on them runs first; lend from a normal-priority worker"
             )
+
+    @property
+    def idle_priority(self) -> bool:
+        """Whether this worker runs at SCHED_IDLE (`--cpu-priority idle`)."""
+        return self.cpu_priority == "idle"
 
     @property
     def pulls(self) -> bool:
