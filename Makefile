@@ -70,7 +70,7 @@ STUDY_OUT   ?= out/study
 STUDY_ARGS  ?=
 study: setup
 	taskset -c 0 $(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256 \
-		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2,2.5,3,4,6,8 \
+		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2,2.5,3,4,5,6,7,8,10 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 1 \
 		--pin coordinator=0,prefill=0,decode=1,colocated=0-1 --threads prefill=1,decode=1,colocated=2 \
 		--prefill-tokens-while-decoding 0 --prefill-ms-while-decoding 30 --router-local-prefill-max-tokens 2048 \

@@ -13,18 +13,19 @@ def render(study: dict[str, Any]) -> str:
     width = max([len(r["variant"]) for r in study["rows"]] + [8]) + 2
     lines = [
         f"{'variant':<{width}}{'rate':>6}{'done':>7}{'tok/s':>8}{'ttft p50':>10}{'p99':>8}"
-        f"{'tpot p50':>10}{'p99':>8}{'itl p99':>9}{'1st':>6}{'later':>7}{'slo':>6}{'cpu/req':>9}"
+        f"{'tpot p50':>10}{'p99':>8}{'itl p99':>9}{'x':>6}{'1st':>6}{'later':>7}{'slo':>6}{'cpu/req':>9}"
     ]
     for r in study["rows"]:
         lines.append(
             f"{r['variant']:<{width}}{r['rate']:>6g}{r['completed']:>4}/{r['num_requests']:<2}"
             f"{r['output_tok_s']:>8.1f}{r['ttft_ms']['p50']:>10.0f}{r['ttft_ms']['p99']:>8.0f}"
             f"{r['tpot_ms']['p50']:>10.1f}{r['tpot_ms']['p99']:>8.1f}{r['itl_ms']['p99']:>9.1f}"
-            f"{r['first_itl_ms']['p99']:>6.0f}{r['later_itl_ms']['p99']:>7.0f}{r['attainment']:>6.0%}{_cpu(r.get('cluster_cpu_ms_per_request')):>9}"
+            f"{_times(r.get('itl_p99_x_unloaded')):>6}{r['first_itl_ms']['p99']:>6.0f}{r['later_itl_ms']['p99']:>7.0f}{r['attainment']:>6.0%}{_cpu(r.get('cluster_cpu_ms_per_request')):>9}"
         )
     lines.append(
-        "(milliseconds; itl 1st / later: p99 of each request's first gap, token 1 -> 2, and of the"
-        " gaps after it; cpu/req: CPU ms of the cluster's processes per request)"
+        "(milliseconds; x: itl p99 over the unloaded decode below; itl 1st / later: p99 of each"
+        " request's first gap, token 1 -> 2, and of the gaps after it; cpu/req: CPU ms of the"
+        " cluster's processes per request)"
     )
     lines.append("")
     lines.append(
@@ -46,8 +47,15 @@ def render(study: dict[str, Any]) -> str:
         lines.append(f"served: {served['dtype']}, KV transfer over {served['transfer_backend']}")
     if host := served.get("host"):
         lines.append(f"host: {host['cpu']}, {host['cpus']} CPUs, {' '.join(host['isa']) or 'no AVX2'}")
+    if "unloaded_decode_ms" in study:
+        lines.append(
+            f"unloaded decode: {study['unloaded_decode_ms']:.1f} ms (the fastest unloaded TPOT of any variant)"
+        )
+    best = next((v for v in study["variants"] if v["best"]), None)
     for v in study["variants"]:
         mark = "  <- best chunk budget" if v["best"] else ""
+        if best and v["mode"] != "colocated" and best["goodput"] > 0:
+            mark = f"  ({v['goodput'] / best['goodput']:.2f}x {best['name']})"
         lines.append(f"goodput {v['name']}: {v['goodput']:g} req/s (>= {study['goodput_target']:.0%}){mark}")
     for r in study["rows"]:
         for error, count in r["errors"].items():
@@ -57,3 +65,7 @@ def render(study: dict[str, Any]) -> str:
 
 def _cpu(ms: float | None) -> str:
     return "-" if ms is None else f"{ms:.1f}"
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}"

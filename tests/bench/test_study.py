@@ -85,6 +85,12 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
         assert slo["by_kind"][kind]["ttft_ms"] == pytest.approx(3 * latency["ttft_ms"])
         assert slo["by_kind"][kind]["tpot_ms"] == pytest.approx(3 * latency["tpot_ms"])
 
+    fastest = min(k["tpot_ms"] for base in study["unloaded"].values() for k in base.values())
+    assert study["unloaded_decode_ms"] == fastest > 0
+    for row in study["rows"]:
+        assert row["itl_p99_x_unloaded"] == pytest.approx(row["itl_ms"]["p99"] / fastest)
+    assert "unloaded decode:" in done.stdout
+
     for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png"):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 1000

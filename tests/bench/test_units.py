@@ -13,12 +13,14 @@ from splitserve import bench
 from splitserve.bench.host import host_info
 from splitserve.bench.load import RequestTrace
 from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
+from splitserve.bench.report import render
 from splitserve.bench.study import (
     BUDGET_FLAG,
     CAP_FLAG,
     CAP_MS_FLAG,
     Variant,
     decode_caps,
+    mark_itl_stretch,
     probes,
     variant_spec,
     variants,
@@ -119,6 +121,38 @@ def test_goodput_is_the_highest_rate_before_attainment_drops() -> None:
     assert goodput([(1, 1.0), (2, 0.95), (4, 0.5), (8, 0.92)]) == 2  # 8 after a collapse does not count
     assert goodput([(0, 1.0), (1, 0.8)]) == 0.0  # a burst (rate 0) is no rate
     assert goodput([(4, 0.9), (2, 1.0)]) == 4
+
+
+def test_itl_p99_is_read_against_the_sittings_fastest_unloaded_decode() -> None:
+    """One reference for every variant: the slowest variant's own probe would have called its ITL
+    p99 1.5x; against the sitting's fastest unloaded TPOT it is 2x. The goodput line names the ratio
+    to the best colocated budget."""
+    rows = []
+    for name, ttft, tpot in (("colocated@128", 50.0, 9.0), ("conditional", 40.0, 12.0)):
+        row = summarize([trace("chat", ttft, tpot, tokens=4), trace("chat", ttft, 18.0, tokens=4)], 1.0, {})
+        rows.append({"variant": name, "rate": 1.0, **row})
+    study = {
+        "slo": {"scale": 0.0, "by_kind": {}},
+        "goodput_target": 0.9,
+        "unloaded": {
+            "colocated@128": {
+                "chat": {"ttft_ms": 40.0, "tpot_ms": 9.0},
+                "doc": {"ttft_ms": 400.0, "tpot_ms": 11.0},
+            },
+            "conditional": {"chat": {"ttft_ms": 40.0, "tpot_ms": 12.0}},
+        },
+        "variants": [
+            {"name": "colocated@128", "mode": "colocated", "goodput": 4.0, "best": True},
+            {"name": "conditional", "mode": "conditional", "goodput": 6.0, "best": False},
+        ],
+        "rows": rows,
+    }
+    mark_itl_stretch(study)
+    assert study["unloaded_decode_ms"] == 9.0
+    assert [r["itl_p99_x_unloaded"] for r in rows] == pytest.approx([2.0, 2.0], abs=0.01)
+    text = render(study)
+    assert "unloaded decode: 9.0 ms" in text
+    assert "goodput conditional: 6 req/s (>= 90%)  (1.50x colocated@128)" in text
 
 
 def test_chunk_budgets_make_colocated_variants_with_the_worker_flag() -> None:
