@@ -29,6 +29,7 @@ import zmq
 import zmq.asyncio
 
 from engine.block_pool import BlockPool
+from kernels import host_memory
 from kvtransfer import (
     BACKENDS,
     KVLayout,
@@ -110,6 +111,7 @@ class Agent(PullOps, GetLoops):
             "intact": intact,
             "staging_lent": staging.lent,
             "staging_allocated": staging.allocated,
+            "huge_page_share": host_memory.huge_page_share(self.cache),
         }
 
     async def op_connect(self, address: str, key: str) -> dict[str, Any]:
@@ -306,6 +308,7 @@ async def serve(args: argparse.Namespace) -> None:
     background = [] if args.fragment is None else fragment_pool(pool, args.fragment, extra)
     cache = layout.new_cache(pool.num_blocks, args.device)
     fill_sentinel(cache, range(pool.num_blocks))
+    host_memory.report_backing(cache, "kv cache")
     agent = Agent(transport, pool, cache, background)
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)

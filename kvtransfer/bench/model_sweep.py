@@ -26,12 +26,26 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer.bench import get_loops, runner
 from kvtransfer.bench.report import Progress, Row, format_size
 
 PULL_BACKENDS = (get_loops.BACKEND, "nixl-get")  # their model rows pull; the others' push
+
+
+@dataclass(frozen=True, slots=True)
+class HugePageShare:
+    """How much of each agent's KV cache is on huge pages (`kernels.host_memory.huge_page_share`;
+    None where unknown). A row records it because a copy between processes walks 512 times as many
+    pages on 4 KiB ones: a slow round on a host short of huge pages says so in its row."""
+
+    send: float | None
+    recv: float | None
+
+    def as_row(self) -> dict[str, float | None]:
+        return {"send": self.send, "recv": self.recv}
 
 
 async def _acked(agents: runner.Agents, rid: str, t0: float, done: bool, messages: int) -> dict[str, Any]:
@@ -101,6 +115,10 @@ async def model_sweep(
     agents = await runner.start_agents(cfg, backend, layout, max_blocks)
     rows = []
     try:
+        backing = HugePageShare(
+            (await agents.send.call("pool"))["huge_page_share"],
+            (await agents.recv.call("pool"))["huge_page_share"],
+        )
         for tokens in cfg.tokens:
             n = -(-tokens // cfg.block_size)
             times, verified, messages = [], True, 0
@@ -110,11 +128,11 @@ async def model_sweep(
                 messages = moved["messages"]
                 if i:
                     times.append(moved["seconds"])
-            rows.append(
-                model_row(
-                    cfg, backend, agents, tokens, n, layout.block_bytes, messages, times, verified, memcpy_for
-                )
+            row = model_row(
+                cfg, backend, agents, tokens, n, layout.block_bytes, messages, times, verified, memcpy_for
             )
+            row["huge_page_share"] = backing.as_row()
+            rows.append(row)
             progress.step(f"{backend} {cfg.model_shape} {tokens} tokens")
     finally:
         await agents.close()

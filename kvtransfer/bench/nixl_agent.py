@@ -30,6 +30,7 @@ import torch
 import zmq
 
 from engine.block_pool import BlockPool
+from kernels import host_memory
 from kvtransfer.bench.agent import fragment_pool
 from kvtransfer.bench.bench_loops import cpu_seconds, new_ring, percentiles_us, ring_checksums
 from kvtransfer.bench.control import READY_PREFIX, bind_router, die_with_parent, parse_request
@@ -122,9 +123,15 @@ class NixlBenchAgent:
         self.pool = BlockPool(num_blocks + extra, kv.block_size)
         fragment_pool(self.pool, fragment, extra)
         self.cache = block_bytes(kv.new_cache(self.pool.num_blocks, "cpu"))
+        share = host_memory.report_backing(self.cache, "kv cache")
         self.registered = self.nixl.register_memory([self.cache])
         metadata = self.nixl.get_partial_agent_metadata(self.registered, False)
-        return {"base": self.cache.data_ptr(), "block_bytes": self.cache.shape[1], "metadata": metadata.hex()}
+        return {
+            "base": self.cache.data_ptr(),
+            "block_bytes": self.cache.shape[1],
+            "metadata": metadata.hex(),
+            "huge_page_share": share,
+        }
 
     def op_peer_pool(self, metadata: str) -> dict[str, Any]:
         self.nixl.add_remote_agent(bytes.fromhex(metadata))

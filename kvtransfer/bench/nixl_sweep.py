@@ -164,8 +164,9 @@ async def nixl_model_sweep(
     agents = await _start(cfg, thread=False)
     rows = []
     try:
-        await agents.recv.call("pool", layout=layout.to_dict(), num_blocks=max_blocks, fragment=1)
+        sink = await agents.recv.call("pool", layout=layout.to_dict(), num_blocks=max_blocks, fragment=1)
         source = await agents.send.call("pool", layout=layout.to_dict(), num_blocks=max_blocks, fragment=2)
+        backing = model_sweep.HugePageShare(source["huge_page_share"], sink["huge_page_share"])
         await agents.recv.call("peer_pool", metadata=source["metadata"])
         for tokens in cfg.tokens:
             n = -(-tokens // cfg.block_size)
@@ -200,6 +201,7 @@ async def nixl_model_sweep(
                 cfg, "nixl-raw", agents, tokens, n, source["block_bytes"], gets, times, verified, memcpy_for
             )
             row["transport"] = "nixl:UCX READ thread off"
+            row["huge_page_share"] = backing.as_row()
             row["in_agent_ms"] = statistics.median(in_agent) * 1e3
             rows.append(row)
             progress.step(f"nixl-raw {cfg.model_shape} {tokens} tokens")

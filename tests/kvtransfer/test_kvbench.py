@@ -81,6 +81,8 @@ def test_model_shape_mode_moves_a_prompts_kv_pushed_and_pulled(tmp_path: Path) -
     assert [(r["tokens"], r["blocks"]) for r in model] == [(100, 7), (1024, 64)] * 2
     assert all(r["verified"] and r["transfer_ms"] > 0 and r["raw_size"] == "256KiB" for r in model)
     assert all(r["raw_ratio"] == pytest.approx(r["gbps"] / r["raw_gbps"]) for r in model)
+    # each agent's cache backing, so a slow round can be laid against its pages
+    assert all(0.0 <= r["huge_page_share"][side] <= 1.0 for r in model for side in ("send", "recv"))
     pulled = model[3]
     # fragmented on both sides: more than one get per chunk, fewer than one per block (coalesced)
     assert 2 < pulled["messages"] < pulled["blocks"] and pulled["chunk_tokens"] == 512

@@ -132,6 +132,7 @@ def test_nixl_model_rows_read_a_prompts_scattered_blocks_verified(tmp_path: Path
     # clocked in the driver, as our rows are: the READ inside the agent is part of it
     assert all(0 < r["in_agent_ms"] < r["transfer_ms"] for r in rows)
     assert 1 < rows[1]["messages"] < rows[1]["blocks"]  # fragmented on both sides, runs coalesced
+    assert all(0.0 <= r["huge_page_share"][side] <= 1.0 for r in rows for side in ("send", "recv"))
 
 
 @pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
