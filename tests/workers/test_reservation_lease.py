@@ -12,16 +12,17 @@ from splitserve.v1 import control_pb2
 from tests.workers.conftest import Cluster, endpoint, execution_request
 from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt, wait_until
 
-LEASE_MS = 250  # well over one P step on a loaded 2-core box, well under 400 of them
-# P computes 4 tokens a step: the long prompt (400 of the pools' 600 blocks of 4 tokens) holds
-# P's queue for 400 steps (300 took 240-250 ms on session 34's fast host, under the lease)
+LEASE_MS = 250  # well over one P step on a loaded 2-core box, well under 800 of them
+# P computes 2 tokens a step: the long prompt (400 of the pools' 600 blocks of 4 tokens) holds
+# P's queue for 800 steps (at 4 tokens a step, 300 steps took 240-250 ms on session 34's fast
+# host and 400 took 248 ms in a CI run of session 36 there: under the lease)
 LONG, SHORT = 1600, 8
 
 
 async def test_a_request_queued_on_p_longer_than_the_lease_completes_without_expiring(
     cluster: Cluster,
 ) -> None:
-    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=4, num_blocks=600)
+    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=2, num_blocks=600)
     d = await cluster.start("decode", "d0", lease_ms=LEASE_MS, num_blocks=600)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
