@@ -85,9 +85,16 @@ class Agent(PullOps, GetLoops):
     one-sided loops: `GetLoops`)."""
 
     def __init__(
-        self, transport: Transport, pool: BlockPool, cache: torch.Tensor, background: list[int] | None = None
+        self,
+        transport: Transport,
+        pool: BlockPool,
+        cache: torch.Tensor,
+        background: list[int] | None = None,
+        huge_page_share: float | None = None,
     ) -> None:
+        """`huge_page_share`: how much of `cache` is on huge pages, read once at start (`info`)."""
         self.transport, self.pool, self.cache = transport, pool, cache
+        self.huge_page_share = huge_page_share
         self.background = background or []  # held for the agent's life (fragment_pool)
         self.recv_sessions: dict[SessionKey, RecvSession | PullRecvSession] = {}
         self.send_sessions: dict[SessionKey, SendSession | PullSendSession] = {}
@@ -111,7 +118,6 @@ class Agent(PullOps, GetLoops):
             "intact": intact,
             "staging_lent": staging.lent,
             "staging_allocated": staging.allocated,
-            "huge_page_share": host_memory.huge_page_share(self.cache),
         }
 
     async def op_connect(self, address: str, key: str) -> dict[str, Any]:
@@ -123,7 +129,13 @@ class Agent(PullOps, GetLoops):
 
     async def op_info(self) -> dict[str, Any]:
         t = self.transport
-        return {"address": t.address, "backend": t.backend, "key": t.key.hex(), "refused": dict(t.refused)}
+        return {
+            "address": t.address,
+            "backend": t.backend,
+            "key": t.key.hex(),
+            "refused": dict(t.refused),
+            "huge_page_share": self.huge_page_share,
+        }
 
     async def op_shutdown(self) -> dict[str, Any]:
         self.stopped.set()
@@ -308,8 +320,7 @@ async def serve(args: argparse.Namespace) -> None:
     background = [] if args.fragment is None else fragment_pool(pool, args.fragment, extra)
     cache = layout.new_cache(pool.num_blocks, args.device)
     fill_sentinel(cache, range(pool.num_blocks))
-    host_memory.report_backing(cache, "kv cache")
-    agent = Agent(transport, pool, cache, background)
+    agent = Agent(transport, pool, cache, background, host_memory.report_backing(cache, "kv cache"))
     context = zmq.asyncio.Context()
     router = context.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)

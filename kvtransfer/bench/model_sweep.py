@@ -118,8 +118,8 @@ async def model_sweep(
     rows = []
     try:
         backing = HugePageShare(
-            (await agents.send.call("pool"))["huge_page_share"],
-            (await agents.recv.call("pool"))["huge_page_share"],
+            (await agents.send.call("info"))["huge_page_share"],
+            (await agents.recv.call("info"))["huge_page_share"],
         )
         for tokens in cfg.tokens:
             n = -(-tokens // cfg.block_size)
