@@ -6,32 +6,56 @@ longer than the lease still completes; a reservation P never starts is released 
 from __future__ import annotations
 
 import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
+import pytest
+
+from engine.worker.process import Worker
 from splitserve import wire
 from splitserve.v1 import control_pb2
 from tests.workers.conftest import Cluster, endpoint, execution_request
 from tests.workers.test_disaggregated import assert_quiescent, dispatch, random_prompt, wait_until
 
-LEASE_MS = 250  # well over one P step on a loaded 2-core box, well under 800 of them
-# P computes 2 tokens a step: the long prompt (400 of the pools' 600 blocks of 4 tokens) holds
-# P's queue for 800 steps (at 4 tokens a step, 300 steps took 240-250 ms on session 34's fast
-# host and 400 took 248 ms in a CI run of session 36 there: under the lease)
+LEASE_MS = 1000  # D hears P's progress every 250 ms of it: only a second-long stall would expire it
+QUEUE_S = 1.5 * LEASE_MS / 1e3  # how long P's step thread is held with both requests queued
 LONG, SHORT = 1600, 8
+
+
+@contextmanager
+def step_thread_held(worker: Worker) -> Iterator[None]:
+    """Occupy `worker`'s step thread (its one-thread executor, where every forward runs) for the
+    block: the worker's loop keeps receiving and scheduling, but no step computes, as while a long
+    step of other requests runs. Its queue is then as long as the test decides, on any host, where a
+    queue made of real steps was 0.75-1x the lease on a fast one. Let go on any exit: the worker's
+    stop waits for its step thread."""
+    gate = threading.Event()
+    worker.stepper._executor.submit(gate.wait)
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 async def test_a_request_queued_on_p_longer_than_the_lease_completes_without_expiring(
     cluster: Cluster,
 ) -> None:
-    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=2, num_blocks=600)
-    d = await cluster.start("decode", "d0", lease_ms=LEASE_MS, num_blocks=600)
+    p = await cluster.start("prefill", "p0", lease_ms=LEASE_MS, max_num_batched_tokens=8)
+    d = await cluster.start("decode", "d0", lease_ms=LEASE_MS)
     coord, rng = cluster.coordinator, random.Random(3)
     identity = p.engine.loaded.identity
     reqs = [
-        execution_request(1, random_prompt(rng, LONG), 2, identity=identity),
+        execution_request(1, random_prompt(rng, 64), 2, identity=identity),
         execution_request(2, random_prompt(rng, SHORT), 4, identity=identity),
     ]
-    for req in reqs:
-        await dispatch(coord, p, d, req)
+    with step_thread_held(p):
+        for req in reqs:
+            await dispatch(coord, p, d, req)
+        assert d.role is not None
+        await wait_until(lambda: {1, 2} <= set(d.role.records), "D to reserve for both")  # type: ignore[union-attr]
+        with pytest.raises(TimeoutError):  # the premise: both wait in P's queue past the lease, unexpired
+            await coord.expect("abort", timeout=QUEUE_S)
     queue_ms: dict[int, float] = {}
     tokens: dict[int, int] = {1: 0, 2: 0}
     finished: set[int] = set()
