@@ -11,7 +11,9 @@ Timings; per (variant, rate) row:
 - SLO attainment: the share of requests that finished within the TTFT and TPOT SLO of their kind
   (`--slo-ttft-ms/--slo-tpot-ms`, or `--slo-scale` x the first variant's unloaded latencies), and the
   same at every `--slo-scales` entry;
-- per variant, goodput: the highest swept rate with >= 90% attainment (all lower rates too).
+- per variant, goodput: the highest swept rate with >= 90% attainment (all lower rates too), and
+  with `--tpot-slo-multiples` the same under each TPOT SLO of that many times the sitting's unloaded
+  decode (TTFT SLO unchanged), against the colocated budget tuned best for it.
 
 `--json` writes the whole study, `--plots DIR` attainment vs rate and vs SLO scale (PNG). `--busy N`
 runs N busy loops beside the whole study (probes included; on the `--busy-pin` CPUs, else on the
@@ -125,6 +127,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=csv_of(float, "a positive scale", lambda s: s > 0),
         default=[0.5, 1.0, 2.0, 4.0, 8.0],
         help="scales of the attainment-vs-SLO-scale curve",
+    )
+    a(
+        "--tpot-slo-multiples",
+        type=csv_of(float, "a positive multiple", lambda s: s > 0),
+        default=[],
+        help="goodput also under a TPOT SLO of each multiple x the sitting's unloaded decode (the "
+        "fastest unloaded TPOT of any variant), each kind's TTFT SLO unchanged: a strict TPOT SLO that "
+        "scales with the host (e.g. 2,3)",
     )
     a(
         "--scale-rate",
@@ -328,6 +338,7 @@ def run(args: argparse.Namespace) -> int:
         slo=Latency(args.slo_ttft_ms, args.slo_tpot_ms),
         slo_scale=args.slo_scale,
         slo_scales=args.slo_scales,
+        tpot_slo_multiples=args.tpot_slo_multiples,
         unloaded_probes=args.unloaded_probes,
         request_timeout=args.request_timeout,
         scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),

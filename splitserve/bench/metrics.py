@@ -59,8 +59,12 @@ def scaled(base: dict[str, Latency], scale: float) -> dict[str, Latency]:
 
 
 def met(trace: RequestTrace, slo: Latency) -> bool:
-    tpot = trace.tpot_ms
-    return trace.ok and trace.ttft_ms <= slo.ttft_ms and (tpot is None or tpot <= slo.tpot_ms)
+    return trace.ok and within(trace.ttft_ms, trace.tpot_ms, slo)
+
+
+def within(ttft_ms: float, tpot_ms: float | None, slo: Latency) -> bool:
+    """A finished request's latencies against `slo` (a single-token output has no TPOT to miss)."""
+    return ttft_ms <= slo.ttft_ms and (tpot_ms is None or tpot_ms <= slo.tpot_ms)
 
 
 def attainment(traces: list[RequestTrace], slos: dict[str, Latency]) -> float:

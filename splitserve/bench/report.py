@@ -57,10 +57,28 @@ def render(study: dict[str, Any]) -> str:
         if best and v["mode"] != "colocated" and best["goodput"] > 0:
             mark = f"  ({v['goodput'] / best['goodput']:.2f}x {best['name']})"
         lines.append(f"goodput {v['name']}: {v['goodput']:g} req/s (>= {study['goodput_target']:.0%}){mark}")
+    for key, tpot_ms in study.get("tpot_slo_multiples", {}).items():
+        lines.append(f"goodput with TPOT SLO {key}x unloaded decode ({tpot_ms:.1f} ms), TTFT SLO as above:")
+        lines += _goodput_under(study, key)
     for r in study["rows"]:
         for error, count in r["errors"].items():
             lines.append(f"{r['variant']} rate {r['rate']:g}: {count} failed with {error}")
     return "\n".join(lines)
+
+
+def _goodput_under(study: dict[str, Any], key: str) -> list[str]:
+    """One line per variant: its goodput under the TPOT SLO `key` and its ratio to the colocated
+    budget tuned best for that SLO (study.mark_strict_tpot)."""
+    best_name = study["best_by_tpot_x"].get(key)
+    best = next((v["goodput_by_tpot_x"][key] for v in study["variants"] if v["name"] == best_name), 0.0)
+    lines = []
+    for v in study["variants"]:
+        rate = v["goodput_by_tpot_x"][key]
+        mark = "  <- best chunk budget" if v["name"] == best_name else ""
+        if v["mode"] != "colocated" and best_name is not None:
+            mark = f"  ({rate / best:.2f}x {best_name})" if best > 0 else f"  ({best_name}: 0)"
+        lines.append(f"  {v['name']}: {rate:g} req/s{mark}")
+    return lines
 
 
 def _cpu(ms: float | None) -> str:

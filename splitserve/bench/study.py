@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import os
 import statistics
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +33,7 @@ from splitserve.bench.metrics import (
     scaled,
     summarize,
     unloaded,
+    within,
 )
 from splitserve.bench.progress import ProgressBar
 from splitserve.bench.workload import Item, arrivals
@@ -153,6 +154,7 @@ class StudyPlan:
     request_timeout: float
     scale_rate: float
     decode_caps: list[str] = field(default_factory=list)  # the decode workers' caps (not colocated's)
+    tpot_slo_multiples: list[float] = field(default_factory=list)  # mark_strict_tpot's
 
 
 def probes(items: list[Item], per_kind: int) -> list[Item]:
@@ -272,16 +274,83 @@ def mark_itl_stretch(study: dict[str, Any]) -> None:
         row["itl_p99_x_unloaded"] = row["itl_ms"]["p99"] / reference
 
 
+def mark_strict_tpot(study: dict[str, Any], multiples: Sequence[float]) -> None:
+    """Goodput under TPOT SLOs of `multiples` x `unloaded_decode_ms`, each kind's TTFT SLO as the
+    study's: issue 12's "strict TPOT SLO" on any host. A fixed 80 ms was about 2x unloaded decode
+    where the issue was filed and 8.8x on a host that decodes in 9 ms (session 37). Read from the
+    rows' requests after the sweep, as the reference is the whole sitting's; the router and the
+    workers ran under the study's own SLO. Per multiple (keyed "2", "3", ...): each row's
+    `attainment_by_tpot_x`, each variant's `goodput_by_tpot_x`, and in `best_by_tpot_x` the
+    colocated budget with the highest goodput under it (the baseline is tuned per SLO)."""
+    reference = study.get("unloaded_decode_ms")
+    if not multiples or reference is None:
+        return
+    targets = {f"{k:g}": k * reference for k in multiples}
+    study["tpot_slo_multiples"] = targets
+    by_kind = study["slo"]["by_kind"]
+    for row in study["rows"]:
+        row["attainment_by_tpot_x"] = {
+            key: _attainment_of_rows(
+                row["requests"], {kind: Latency(slo["ttft_ms"], tpot) for kind, slo in by_kind.items()}
+            )
+            for key, tpot in targets.items()
+        }
+    study["best_by_tpot_x"] = {}
+    for key in targets:
+        for v in study["variants"]:
+            points = [
+                (r["rate"], r["attainment_by_tpot_x"][key])
+                for r in study["rows"]
+                if r["variant"] == v["name"]
+            ]
+            v.setdefault("goodput_by_tpot_x", {})[key] = goodput(points, GOODPUT_TARGET)
+            v.setdefault("mean_attainment_by_tpot_x", {})[key] = _mean(a for _, a in points)
+        best = _best_tuned(study["variants"], _ranked_under(key))
+        if best is not None:
+            study["best_by_tpot_x"][key] = best["name"]
+
+
+def _attainment_of_rows(requests: list[dict[str, Any]], slos: dict[str, Latency]) -> float:
+    """`metrics.attainment` over a row's request records (`_request_rows`: a failed one has no TTFT)."""
+    if not requests:
+        return float("nan")
+    return sum(
+        1
+        for q in requests
+        if q["kind"] in slos
+        and q["ttft_ms"] is not None
+        and within(q["ttft_ms"], q["tpot_ms"], slos[q["kind"]])
+    ) / len(requests)
+
+
 def _mark_best(study: dict[str, Any]) -> None:
     for v in study["variants"]:
         points = [(r["rate"], r["attainment"]) for r in study["rows"] if r["variant"] == v["name"]]
         v["goodput"] = goodput(points, GOODPUT_TARGET)
-        v["mean_attainment"] = statistics.fmean(a for _, a in points) if points else 0.0
-    tuned = [v for v in study["variants"] if v["mode"] == "colocated" and v["chunk_budget"] is not None]
+        v["mean_attainment"] = _mean(a for _, a in points)
     for v in study["variants"]:
         v["best"] = False
-    if tuned:
-        max(tuned, key=lambda v: (v["goodput"], v["mean_attainment"]))["best"] = True
+    best = _best_tuned(study["variants"], lambda v: (v["goodput"], v["mean_attainment"]))
+    if best is not None:
+        best["best"] = True
+
+
+def _best_tuned(
+    vs: list[dict[str, Any]], rank: Callable[[dict[str, Any]], tuple[float, float]]
+) -> dict[str, Any] | None:
+    """The colocated variant with a chunk budget that ranks highest, or None without one."""
+    tuned = [v for v in vs if v["mode"] == "colocated" and v["chunk_budget"] is not None]
+    return max(tuned, key=rank) if tuned else None
+
+
+def _ranked_under(key: str) -> Callable[[dict[str, Any]], tuple[float, float]]:
+    """A variant's rank under the TPOT SLO `key` of mark_strict_tpot: goodput, then mean attainment."""
+    return lambda v: (v["goodput_by_tpot_x"][key], v["mean_attainment_by_tpot_x"][key])
+
+
+def _mean(shares: Iterable[float]) -> float:
+    values = list(shares)
+    return statistics.fmean(values) if values else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -339,6 +408,7 @@ def run_study(
             ref = _sweep(served, v, plan, study, ref)
     _mark_best(study)
     mark_itl_stretch(study)
+    mark_strict_tpot(study, plan.tpot_slo_multiples)
     return study
 
 

@@ -26,6 +26,7 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
         *(sys.executable, "-m", "splitserve.cli", "bench", "--model", str(tiny_model_dir("llama-2l"))),
         *("--modes", "colocated,disaggregated", "--mix", "0.25:96x4,0.75:16x8", "--num-requests", "4"),
         *("--rates", "4", "--slo-scale", "3", "--slo-scales", "1,4", "--unloaded-probes", "1"),
+        *("--tpot-slo-multiples", "0.001,1000"),  # no request meets the first; only TTFT decides the second
         *("--insecure-control-plane", "--log-dir", str(tmp_path / "logs")),
         *("--json", str(tmp_path / "study.json"), "--plots", str(tmp_path / "plots")),
         *("--busy", "1", "--busy-pin", str(cpu)),  # a busy loop beside the whole study, on one CPU
@@ -90,6 +91,15 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
     for row in study["rows"]:
         assert row["itl_p99_x_unloaded"] == pytest.approx(row["itl_ms"]["p99"] / fastest)
     assert "unloaded decode:" in done.stdout
+
+    assert study["tpot_slo_multiples"] == {"0.001": fastest / 1000, "1000": fastest * 1000}
+    for row in study["rows"]:
+        ttft_only = [r["ttft_ms"] <= slo["by_kind"][r["kind"]]["ttft_ms"] for r in row["requests"]]
+        assert row["attainment_by_tpot_x"] == {"0.001": 0.0, "1000": sum(ttft_only) / len(ttft_only)}
+    for v in study["variants"]:
+        assert v["goodput_by_tpot_x"]["0.001"] == 0.0 and v["goodput_by_tpot_x"]["1000"] in (0.0, 4.0)
+    assert study["best_by_tpot_x"] == {}  # no colocated chunk budget was swept
+    assert "goodput with TPOT SLO 1000x unloaded decode" in done.stdout
 
     for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png"):
         data = (tmp_path / "plots" / name).read_bytes()

@@ -21,6 +21,7 @@ from splitserve.bench.study import (
     Variant,
     decode_caps,
     mark_itl_stretch,
+    mark_strict_tpot,
     probes,
     variant_spec,
     variants,
@@ -153,6 +154,57 @@ def test_itl_p99_is_read_against_the_sittings_fastest_unloaded_decode() -> None:
     text = render(study)
     assert "unloaded decode: 9.0 ms" in text
     assert "goodput conditional: 6 req/s (>= 90%)  (1.50x colocated@128)" in text
+
+
+def test_goodput_under_a_strict_tpot_slo_is_read_against_the_sittings_unloaded_decode() -> None:
+    """TPOT SLOs of 2x and 8x the sitting's unloaded decode (10 ms), each kind's TTFT SLO kept: per
+    multiple each variant's goodput, and the colocated budget tuned best for that SLO (the small
+    budget under the strict one, the large one under the loose one) as the ratio's base."""
+    tpots = {  # variant -> (rate -> every request's TPOT); every TTFT 100 ms, within the 3 s SLO
+        "colocated@64": {1.0: 19.0, 2.0: 25.0, 3.0: 85.0},
+        "colocated@256": {1.0: 25.0, 2.0: 30.0, 3.0: 40.0},
+        "conditional": {1.0: 12.0, 2.0: 15.0, 3.0: 90.0},
+    }
+    rows = [
+        {
+            "variant": name,
+            "rate": rate,
+            "requests": [
+                {"kind": "chat", "ttft_ms": 100.0, "tpot_ms": tpot},
+                {"kind": "chat", "ttft_ms": None, "tpot_ms": None},  # failed: a miss at every SLO
+            ]
+            + [{"kind": "chat", "ttft_ms": 100.0, "tpot_ms": tpot}] * 8,
+        }
+        for name, by_rate in tpots.items()
+        for rate, tpot in by_rate.items()
+    ]
+    study = {
+        "slo": {"scale": 0.0, "by_kind": {"chat": {"ttft_ms": 3000.0, "tpot_ms": 80.0}}},
+        "goodput_target": 0.9,
+        "unloaded_decode_ms": 10.0,
+        "variants": [
+            {"name": n, "mode": n.split("@")[0], "chunk_budget": int(n.split("@")[1]) if "@" in n else None}
+            for n in tpots
+        ],
+        "rows": rows,
+    }
+    mark_strict_tpot(study, [2, 8])
+    assert study["tpot_slo_multiples"] == {"2": 20.0, "8": 80.0}
+    assert [r["attainment_by_tpot_x"]["2"] for r in rows[:3]] == [0.9, 0.0, 0.0]
+    goodputs = {v["name"]: v["goodput_by_tpot_x"] for v in study["variants"]}
+    assert goodputs == {
+        "colocated@64": {"2": 1.0, "8": 2.0},
+        "colocated@256": {"2": 0.0, "8": 3.0},
+        "conditional": {"2": 2.0, "8": 2.0},
+    }
+    assert study["best_by_tpot_x"] == {"2": "colocated@64", "8": "colocated@256"}
+    for v in study["variants"]:
+        v["best"], v["goodput"] = v["name"] == "colocated@256", v["goodput_by_tpot_x"]["8"]
+    text = render(study | {"rows": []})
+    assert "goodput with TPOT SLO 2x unloaded decode (20.0 ms), TTFT SLO as above:" in text
+    assert "  colocated@64: 1 req/s  <- best chunk budget\n  colocated@256: 0 req/s\n" in text
+    assert "  conditional: 2 req/s  (2.00x colocated@64)" in text
+    assert "  conditional: 2 req/s  (0.67x colocated@256)" in text
 
 
 def test_chunk_budgets_make_colocated_variants_with_the_worker_flag() -> None:
