@@ -101,7 +101,8 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
     assert study["best_by_tpot_x"] == {}  # no colocated chunk budget was swept
     assert "goodput with TPOT SLO 1000x unloaded decode" in done.stdout
 
-    for name in ("attainment-vs-rate.png", "attainment-vs-slo-scale.png"):
+    plots = ("attainment-vs-rate.png", "attainment-vs-slo-scale.png")
+    for name in (*plots, "attainment-vs-rate-tpot0.001x.png", "attainment-vs-rate-tpot1000x.png"):
         data = (tmp_path / "plots" / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 1000
 
