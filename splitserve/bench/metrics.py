@@ -58,20 +58,27 @@ def scaled(base: dict[str, Latency], scale: float) -> dict[str, Latency]:
     return {k: Latency(v.ttft_ms * scale, v.tpot_ms * scale) for k, v in base.items()}
 
 
-def met(trace: RequestTrace, slo: Latency) -> bool:
-    return trace.ok and within(trace.ttft_ms, trace.tpot_ms, slo)
-
-
-def within(ttft_ms: float, tpot_ms: float | None, slo: Latency) -> bool:
-    """A finished request's latencies against `slo` (a single-token output has no TPOT to miss)."""
-    return ttft_ms <= slo.ttft_ms and (tpot_ms is None or tpot_ms <= slo.tpot_ms)
-
-
 def attainment(traces: list[RequestTrace], slos: dict[str, Latency]) -> float:
     """The share of `traces` meeting the SLO of their kind (a kind without an SLO is a miss)."""
-    if not traces:
+    return share_within(
+        [(t.kind, t.ttft_ms if t.ok else None, t.tpot_ms if t.ok else None) for t in traces], slos
+    )
+
+
+def share_within(outcomes: list[tuple[str, float | None, float | None]], slos: dict[str, Latency]) -> float:
+    """The share of `outcomes` (kind, TTFT, TPOT; TTFT None for a request that failed) within the SLO
+    of their kind: a failed request and a kind without an SLO are misses, a single-token output has
+    no TPOT to miss. NaN for none."""
+    if not outcomes:
         return float("nan")
-    return sum(1 for t in traces if t.kind in slos and met(t, slos[t.kind])) / len(traces)
+    return sum(
+        1
+        for kind, ttft, tpot in outcomes
+        if kind in slos
+        and ttft is not None
+        and ttft <= slos[kind].ttft_ms
+        and (tpot is None or tpot <= slos[kind].tpot_ms)
+    ) / len(outcomes)
 
 
 def breakdown(trace: RequestTrace) -> dict[str, float]:

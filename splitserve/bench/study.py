@@ -31,9 +31,9 @@ from splitserve.bench.metrics import (
     breakdown,
     goodput,
     scaled,
+    share_within,
     summarize,
     unloaded,
-    within,
 )
 from splitserve.bench.progress import ProgressBar
 from splitserve.bench.workload import Item, arrivals
@@ -290,8 +290,9 @@ def mark_strict_tpot(study: dict[str, Any], multiples: Sequence[float]) -> None:
     by_kind = study["slo"]["by_kind"]
     for row in study["rows"]:
         row["attainment_by_tpot_x"] = {
-            key: _attainment_of_rows(
-                row["requests"], {kind: Latency(slo["ttft_ms"], tpot) for kind, slo in by_kind.items()}
+            key: share_within(
+                [(q["kind"], q["ttft_ms"], q["tpot_ms"]) for q in row["requests"]],
+                {kind: Latency(slo["ttft_ms"], tpot) for kind, slo in by_kind.items()},
             )
             for key, tpot in targets.items()
         }
@@ -308,19 +309,6 @@ def mark_strict_tpot(study: dict[str, Any], multiples: Sequence[float]) -> None:
         best = _best_tuned(study["variants"], _ranked_under(key))
         if best is not None:
             study["best_by_tpot_x"][key] = best["name"]
-
-
-def _attainment_of_rows(requests: list[dict[str, Any]], slos: dict[str, Latency]) -> float:
-    """`metrics.attainment` over a row's request records (`_request_rows`: a failed one has no TTFT)."""
-    if not requests:
-        return float("nan")
-    return sum(
-        1
-        for q in requests
-        if q["kind"] in slos
-        and q["ttft_ms"] is not None
-        and within(q["ttft_ms"], q["tpot_ms"], slos[q["kind"]])
-    ) / len(requests)
 
 
 def _mark_best(study: dict[str, Any]) -> None:
