@@ -120,6 +120,9 @@ class ClusterSpec:
     # normal priority while the others run at idle priority on the same CPUs (coordinator/router.py,
     # "Prompt lanes"); only the short lane lends its CPUs
     short_prompt_lane: int = 0
+    # each worker of a pinned role on its own equal share of the role's CPUs (`worker_cpus`): replicas
+    # on their own cores, as separate pods would be, instead of all of them on the whole set
+    split_pins: bool = False
 
     def __post_init__(self) -> None:
         if self.share_idle_cores and self.mode != "colocated" and not self.cpus.get("prefill"):
@@ -132,6 +135,30 @@ class ClusterSpec:
             )
         if self.short_prompt_lane and self.mode == "colocated":
             raise ValueError("a short prompt lane is a prefill worker: colocated clusters have none")
+        if self.split_pins:
+            self._check_split_pins()
+
+    def _check_split_pins(self) -> None:
+        if self.short_prompt_lane:
+            raise ValueError("split pins give each worker its own CPUs; a short prompt lane shares P's")
+        counts: dict[str, int] = {}
+        for role, _ in self.worker_ids():
+            counts[role] = counts.get(role, 0) + 1
+        for role, n in counts.items():
+            cpus = self.cpus.get(role)
+            if cpus is None:
+                continue
+            if len(cpus) % n:
+                raise ValueError(
+                    f"split pins: {n} {role} workers cannot share {len(cpus)} CPUs {list(cpus)} equally "
+                    f"(pin the role to a multiple of {n} CPUs)"
+                )
+            share = len(cpus) // n
+            if self.threads.get(role, 0) > share:
+                raise ValueError(
+                    f"split pins: each {role} worker has {share} CPU(s); --threads "
+                    f"{role}={self.threads[role]} would oversubscribe them"
+                )
 
     def worker_ids(self) -> list[tuple[str, str]]:
         """(role, worker id) of every worker, in start order; each id starts with its role."""
@@ -143,6 +170,21 @@ class ClusterSpec:
             *lane,
             *(("decode", f"decode-{i}") for i in range(self.decode_workers)),
         ]
+
+    def worker_cpus(self, role: str, worker_id: str) -> tuple[int, ...] | None:
+        """The CPUs `worker_id` is pinned to: its role's set, or with `split_pins` its own share of it
+        (the i-th of the role's workers takes the i-th slice). None: not pinned."""
+        cpus = self.cpus.get(role)
+        if not self.split_pins or cpus is None or role == "coordinator":
+            return cpus
+        ids = [wid for r, wid in self.worker_ids() if r == role]
+        if worker_id not in ids:
+            raise ValueError(
+                f"split pins: {worker_id} is not one of the {role} workers the CPUs were split for"
+            )
+        share = len(cpus) // len(ids)
+        i = ids.index(worker_id)
+        return cpus[i * share : (i + 1) * share]
 
     def idle_lane(self, role: str, worker_id: str) -> bool:
         """Whether the worker is a long lane beside `prefill-short`: at idle priority, lending nothing."""
@@ -334,7 +376,7 @@ class LocalCluster:
             stdin=subprocess.DEVNULL,
             text=True,
             env=env,
-            preexec_fn=pin_hook(s.cpus.get(role)),
+            preexec_fn=pin_hook(s.worker_cpus(role, name)),
         )
         assert popen.stdout is not None
         lines: queue.Queue[str | None] = queue.Queue()

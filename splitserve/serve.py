@@ -54,6 +54,13 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
         help="pin each role's processes to CPUs, e.g. prefill=0,decode=1 (sets: 0+2, 0-3)",
     )
     parser.add_argument(
+        "--split-pins",
+        action="store_true",
+        help="each worker of a pinned role on its own equal share of the role's CPUs, e.g. "
+        "--mode colocated --decode-workers 2 --pin colocated=0-1 --threads colocated=1: two replicas, "
+        "a core each (default: every worker of a role on the whole set)",
+    )
+    parser.add_argument(
         "--threads",
         type=checked(parse_threads),
         default={},
@@ -107,6 +114,7 @@ def cluster_spec(args: argparse.Namespace, log_files_by_default: bool = False) -
             threads=dict(args.threads),
             share_idle_cores=args.share_idle_cores,
             short_prompt_lane=args.short_prompt_lane,
+            split_pins=args.split_pins,
         )
     except ValueError as exc:
         sys.stderr.write(f"splitserve: error: {exc}\n")

@@ -38,7 +38,14 @@ from kvtransfer.bench.busy import BusyLoops
 from splitserve.argtypes import checked, csv_of, non_negative, non_negative_float, positive
 from splitserve.bench.host import host_info
 from splitserve.bench.metrics import GOODPUT_TARGET, Latency
-from splitserve.bench.study import CONTROL_PLANES, StudyPlan, decode_caps, run_study, variants
+from splitserve.bench.study import (
+    CONTROL_PLANES,
+    StudyPlan,
+    decode_caps,
+    replica_share,
+    run_study,
+    variants,
+)
 from splitserve.bench.workload import MIXES, Item, from_jsonl, jittered, mixed, parse_mix
 from splitserve.cluster import MODES
 from splitserve.placement import parse_cpu_set
@@ -60,6 +67,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=csv_of(int, "a positive token count", lambda n: n > 0),
         default=[],
         help="colocated only: one variant per per-step token budget (e.g. 128,256,512); the best is marked",
+    )
+    a(
+        "--colocated-replicas",
+        type=csv_of(int, "a replica count >= 1", lambda n: n >= 1),
+        default=[],
+        help="colocated only: one variant per count of colocated workers (e.g. 1,2), each on its own "
+        "equal share of --pin colocated=CPUS with a torch thread per CPU of it (2 on 0-1: a one-thread "
+        "replica per core, as P and D are placed)",
     )
     a(
         "--itl-stretches",
@@ -301,6 +316,15 @@ def _usage_error(args: argparse.Namespace) -> str:
     modes = args.modes or [args.mode]
     if args.prefill_chunk_budgets and "colocated" not in modes:
         return "--prefill-chunk-budgets tunes the colocated baseline: add colocated to --modes"
+    if args.colocated_replicas and "colocated" not in modes:
+        return "--colocated-replicas sets the colocated baseline: add colocated to --modes"
+    if args.colocated_replicas and args.target:
+        return "--colocated-replicas starts local clusters: drop --target"
+    for n in (n for n in args.colocated_replicas if n > 1):
+        try:
+            replica_share(args.pin, n)
+        except ValueError as exc:
+            return str(exc)
     if args.itl_stretches and "conditional" not in modes:
         return "--itl-stretches sets conditional's router: add conditional to --modes"
     if args.itl_stretches and args.router_itl_stretch is not None:
@@ -349,7 +373,13 @@ def run(args: argparse.Namespace) -> int:
     planes = args.control_planes or ["plain" if args.insecure_control_plane else "curve"]
     modes = ["remote"] if args.target else (args.modes or [args.mode])
     vs = variants(
-        modes, args.prefill_chunk_budgets, planes, args.rounds, args.itl_stretches, args.short_prompt_lanes
+        modes,
+        args.prefill_chunk_budgets,
+        planes,
+        args.rounds,
+        args.itl_stretches,
+        args.short_prompt_lanes,
+        args.colocated_replicas,
     )
     targets = router_targets(args)
     spec = None
@@ -373,6 +403,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": args.threads,
         "share_idle_cores": args.share_idle_cores,
         "short_prompt_lane": args.short_prompt_lane,
+        "colocated_replicas": args.colocated_replicas,
         "router_ttft_slo_ms": None if args.target else targets.ttft_ms,
         "router_tpot_slo_ms": None if args.target else targets.tpot_ms,
         "router_tpot_guard": args.router_tpot_guard,

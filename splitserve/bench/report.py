@@ -53,7 +53,7 @@ def render(study: dict[str, Any]) -> str:
         )
     best = next((v for v in study["variants"] if v["best"]), None)
     for v in study["variants"]:
-        mark = "  <- best chunk budget" if v["best"] else ""
+        mark = "  <- best tuned colocated" if v["best"] else ""
         if best and v["mode"] != "colocated" and best["goodput"] > 0:
             mark = f"  ({v['goodput'] / best['goodput']:.2f}x {best['name']})"
         lines.append(f"goodput {v['name']}: {v['goodput']:g} req/s (>= {study['goodput_target']:.0%}){mark}")
@@ -74,7 +74,7 @@ def _goodput_under(study: dict[str, Any], key: str) -> list[str]:
     lines = []
     for v in study["variants"]:
         rate = v["goodput_by_tpot_x"][key]
-        mark = "  <- best chunk budget" if v["name"] == best_name else ""
+        mark = "  <- best tuned colocated" if v["name"] == best_name else ""
         if v["mode"] != "colocated" and best_name is not None:
             mark = f"  ({rate / best:.2f}x {best_name})" if best > 0 else f"  ({best_name}: 0)"
         lines.append(f"  {v['name']}: {rate:g} req/s{mark}")

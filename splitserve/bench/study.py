@@ -60,10 +60,12 @@ class Variant:
     compares_planes: bool = False  # the study runs both control planes: "+plain" names the plaintext one
     itl_stretch: float | None = None  # conditional's coordinator --itl-stretch (None: as the flags say)
     short_lane: int | None = None  # ClusterSpec.short_prompt_lane (None: as the flags say)
+    replicas: int = 1  # colocated workers, each on its own share of the colocated CPUs when > 1
 
     @property
     def name(self) -> str:
         name = self.mode if self.chunk_budget is None else f"{self.mode}@{self.chunk_budget}"
+        name += f"x{self.replicas}" if self.replicas > 1 else ""
         name += f"~itl{self.itl_stretch:g}" if self.itl_stretch else ""
         name += f"+lane{self.short_lane}" if self.short_lane else ""
         name += "+plain" if self.compares_planes and self.control_plane == "plain" else ""
@@ -77,10 +79,12 @@ def variants(
     rounds: int = 1,
     itl_stretches: Sequence[float] = (),
     short_lanes: Sequence[int] = (),
+    colocated_replicas: Sequence[int] = (),
 ) -> list[Variant]:
-    """One variant per mode (colocated once per chunk budget when budgets are given, conditional once
-    per ITL stretch when those are, the modes with prefill workers once per short prompt lane when
-    those are) and control plane, `rounds` times, every other round in reverse order."""
+    """One variant per mode (colocated once per chunk budget and replica count when those are given,
+    conditional once per ITL stretch when those are, the modes with prefill workers once per short
+    prompt lane when those are) and control plane, `rounds` times, every other round in reverse
+    order."""
     planes = control_planes or ["curve"]
     out = []
     for r in range(rounds):
@@ -91,10 +95,12 @@ def variants(
                 list(itl_stretches) if mode == "conditional" and itl_stretches else [None]
             )
             lanes: list[int | None] = list(short_lanes) if mode != "colocated" and short_lanes else [None]
+            copies = list(colocated_replicas) if mode == "colocated" and colocated_replicas else [1]
             for plane in planes:
                 one += [
-                    Variant(mode, b, plane, r, rounds, len(set(planes)) > 1, x, lane)
+                    Variant(mode, b, plane, r, rounds, len(set(planes)) > 1, x, lane, n)
                     for b in tuned
+                    for n in copies
                     for x in bounds
                     for lane in lanes
                 ]
@@ -106,14 +112,16 @@ def variant_spec(base: ClusterSpec, v: Variant, decode_caps: Sequence[str] = ())
     """`base` in `v`'s mode and control plane, its worker args carrying `v`'s chunk budget (colocated)
     or `decode_caps` (the decode workers' flags in the other modes), its coordinator args `v`'s ITL
     stretch (after the base's: the last flag wins), its prefill pool `v`'s short prompt lane (none
-    in colocated mode); logs in a subdirectory."""
+    in colocated mode); `v`'s colocated replicas each on its own equal share of the colocated CPUs
+    with a torch thread per CPU of it (ValueError when they do not divide); logs in a
+    subdirectory."""
     extra = [] if v.chunk_budget is None else [BUDGET_FLAG, str(v.chunk_budget)]
     if v.mode != "colocated":
         extra += decode_caps
     stretch = [] if v.itl_stretch is None else ["--itl-stretch", f"{v.itl_stretch:g}"]
     log_dir = None if base.log_dir is None else base.log_dir / v.name
     lane = base.short_prompt_lane if v.short_lane is None else v.short_lane
-    return dataclasses.replace(
+    spec = dataclasses.replace(
         base,
         mode=v.mode,
         coordinator_args=[*base.coordinator_args, *stretch],
@@ -122,6 +130,22 @@ def variant_spec(base: ClusterSpec, v: Variant, decode_caps: Sequence[str] = ())
         insecure_control_plane=v.control_plane == "plain",
         short_prompt_lane=0 if v.mode == "colocated" else lane,
     )
+    if v.replicas == 1:
+        return spec
+    threads = {**base.threads, "colocated": replica_share(base.cpus, v.replicas)}
+    return dataclasses.replace(spec, decode_workers=v.replicas, split_pins=True, threads=threads)
+
+
+def replica_share(cpus: dict[str, tuple[int, ...]], replicas: int) -> int:
+    """The CPUs each of `replicas` colocated workers gets of the colocated set `cpus` pins; ValueError
+    (saying what to fix) when it is not pinned or does not divide."""
+    pinned = cpus.get("colocated", ())
+    if not pinned or len(pinned) % replicas:
+        raise ValueError(
+            f"{replicas} colocated replicas need --pin colocated=CPUS with a multiple of {replicas} CPUs "
+            f"(each replica gets its own share), got {list(pinned) or 'none'}"
+        )
+    return len(pinned) // replicas
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -326,7 +350,8 @@ def _mark_best(study: dict[str, Any]) -> None:
 def _best_tuned(
     vs: list[dict[str, Any]], rank: Callable[[dict[str, Any]], tuple[float, float]]
 ) -> dict[str, Any] | None:
-    """The colocated variant with a chunk budget that ranks highest, or None without one."""
+    """The colocated variant with a chunk budget (of any replica count) that ranks highest, or None
+    without one."""
     tuned = [v for v in vs if v["mode"] == "colocated" and v["chunk_budget"] is not None]
     return max(tuned, key=rank) if tuned else None
 
@@ -382,6 +407,7 @@ def run_study(
                 "control_plane": v.control_plane,
                 "itl_stretch": v.itl_stretch,
                 "short_lane": v.short_lane,
+                "replicas": v.replicas,
             }
             for v in vs
         ],

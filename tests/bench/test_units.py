@@ -202,7 +202,7 @@ def test_goodput_under_a_strict_tpot_slo_is_read_against_the_sittings_unloaded_d
         v["best"], v["goodput"] = v["name"] == "colocated@256", v["goodput_by_tpot_x"]["8"]
     text = render(study | {"rows": []})
     assert "goodput with TPOT SLO 2x unloaded decode (20.0 ms), TTFT SLO as above:" in text
-    assert "  colocated@64: 1 req/s  <- best chunk budget\n  colocated@256: 0 req/s\n" in text
+    assert "  colocated@64: 1 req/s  <- best tuned colocated\n  colocated@256: 0 req/s\n" in text
     assert "  conditional: 2 req/s  (2.00x colocated@64)" in text
     assert "  conditional: 2 req/s  (0.67x colocated@256)" in text
 
@@ -230,6 +230,45 @@ def test_short_prompt_lanes_make_variants_of_the_modes_with_prefill_workers() ->
     base = ClusterSpec(short_prompt_lane=64)  # a --short-prompt-lane: the variant's wins
     assert [variant_spec(base, v).short_prompt_lane for v in vs] == [0, 0, 256]
     assert variant_spec(base, Variant("disaggregated")).short_prompt_lane == 64
+
+
+def test_colocated_replicas_make_variants_each_replica_on_its_own_share_of_the_cpus() -> None:
+    vs = variants(["colocated", "conditional"], [128, 256], colocated_replicas=[1, 2])
+    assert [v.name for v in vs] == [
+        "colocated@128",
+        "colocated@128x2",
+        "colocated@256",
+        "colocated@256x2",
+        "conditional",
+    ]
+    base = ClusterSpec(cpus={"coordinator": (0,), "colocated": (0, 1)}, threads={"colocated": 2})
+    one, two = variant_spec(base, vs[0]), variant_spec(base, vs[1])
+    assert (one.decode_workers, one.split_pins, one.threads) == (1, False, {"colocated": 2})
+    assert (two.decode_workers, two.split_pins, two.threads) == (2, True, {"colocated": 1})
+    assert [two.worker_cpus(role, wid) for role, wid in two.worker_ids()] == [(0,), (1,)]
+    assert two.worker_cpus("coordinator", "coordinator") == (0,)
+    with pytest.raises(
+        ValueError, match="3 colocated replicas need --pin colocated=CPUS with a multiple of 3"
+    ):
+        variant_spec(base, Variant("colocated", 128, replicas=3))
+
+
+def test_split_pins_give_each_worker_of_a_role_its_own_share_and_refuse_what_does_not_divide() -> None:
+    spec = ClusterSpec(prefill_workers=2, decode_workers=1, cpus={"prefill": (0, 1, 2, 3), "decode": (4,)})
+    assert spec.worker_cpus("prefill", "prefill-1") == (0, 1, 2, 3)  # not split: the whole set
+    split = ClusterSpec(
+        prefill_workers=2, decode_workers=1, cpus={"prefill": (0, 1, 2, 3), "decode": (4,)}, split_pins=True
+    )
+    assert [split.worker_cpus(r, w) for r, w in split.worker_ids()] == [(0, 1), (2, 3), (4,)]
+    assert split.worker_cpus("prefill", "prefill-0") == (0, 1)
+    with pytest.raises(ValueError, match="not one of the prefill workers"):
+        split.worker_cpus("prefill", "prefill-2")  # a worker added later has no share
+    with pytest.raises(ValueError, match="2 decode workers cannot share 3 CPUs"):
+        ClusterSpec(decode_workers=2, cpus={"decode": (0, 1, 2)}, split_pins=True)
+    with pytest.raises(ValueError, match="--threads decode=2 would oversubscribe"):
+        ClusterSpec(decode_workers=2, cpus={"decode": (0, 1)}, threads={"decode": 2}, split_pins=True)
+    with pytest.raises(ValueError, match="a short prompt lane shares P's"):
+        ClusterSpec(short_prompt_lane=256, split_pins=True)
 
 
 def test_a_short_prompt_lane_is_one_more_prefill_worker_and_idles_the_others() -> None:
@@ -313,6 +352,7 @@ def test_router_flags_reach_the_coordinator_as_its_own() -> None:
         (["--router-itl-stretch", "0.5"], "0.5 is not 0 (off) or >= 1 (a multiple of the decode step)"),
         (["--short-prompt-lane", "-1"], "-1 is negative"),
         (["--short-prompt-lanes", "0,-64"], "'-64'"),
+        (["--colocated-replicas", "0,2"], "'0' is not a replica count >= 1"),
     ],
 )
 def test_bad_flags_are_usage_errors(
@@ -335,6 +375,12 @@ def test_bad_flags_are_usage_errors(
         ),
         (["--modes", "colocated", "--short-prompt-lanes", "0,256"], "add disaggregated or conditional"),
         (["--short-prompt-lanes", "256", "--short-prompt-lane", "128"], "give one"),
+        (["--modes", "disaggregated", "--colocated-replicas", "2"], "add colocated to --modes"),
+        (
+            ["--modes", "colocated", "--colocated-replicas", "1,2", "--pin", "colocated=0-2"],
+            "2 colocated replicas need --pin colocated=CPUS with a multiple of 2 CPUs",
+        ),
+        (["--modes", "colocated", "--colocated-replicas", "2"], "got none"),
         (["--rates", "1,2", "--scale-rate", "4"], "--scale-rate 4 is not one of --rates"),
         (
             ["--target", "127.0.0.1:1", "--control-planes", "curve,plain"],
