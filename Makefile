@@ -64,14 +64,17 @@ kvbench: setup
 # D pulls the KV over UCX. Conditional runs twice: as above, and with --itl-stretch 1.5 (a chat
 # prefills on D only while D decodes nothing; else on P), its two operating points side by side.
 # Goodput is also read under TPOT SLOs of 2x and 3x the sitting's unloaded decode (issue 12's
-# strict TPOT SLO on any host; the fixed 80 ms is 8.8x on a host that decodes in 9 ms).
-# Rates to 8 req/s: on a faster host colocated met the SLO up to 6 (session 34). About 25 minutes on a
+# strict TPOT SLO on any host; the fixed 80 ms is 8.8x on a host that decodes in 9 ms). Colocated
+# runs as one two-thread worker and as two one-thread replicas, a core each (placed as P and D are);
+# the baseline is the best of both at each budget.
+# Rates to 8 req/s: on a faster host colocated met the SLO up to 6 (session 34). About 40 minutes on a
 # quiet 2-core box; STUDY_ARGS adds or overrides flags (e.g. `STUDY_ARGS="--rounds 2"`).
 STUDY_MODES ?= colocated,disaggregated,conditional
 STUDY_OUT   ?= out/study
 STUDY_ARGS  ?=
 study: setup
 	taskset -c 0 $(BIN)/splitserve bench --model $(MODEL) --modes $(STUDY_MODES) --prefill-chunk-budgets 128,256 \
+		--colocated-replicas 1,2 \
 		--dtype bfloat16 --mix docs-chats --num-requests 48 --rates 0.5,1,1.5,2,2.5,3,4,5,6,7,8,10 \
 		--slo-ttft-ms 3000 --slo-tpot-ms 80 --slo-scales 1,2,4,8,16 --scale-rate 1 --tpot-slo-multiples 2,3 \
 		--pin coordinator=0,prefill=0,decode=1,colocated=0-1 --threads prefill=1,decode=1,colocated=2 \
