@@ -3,8 +3,9 @@
 Each deployment variant (`--modes`, colocated once per `--prefill-chunk-budgets` entry) gets a fresh
 local cluster and the same seeded workload (`--mix`, `--dataset`, or one jittered shape) with the same
 Poisson arrivals at each `--rates` entry. Before its sweep every variant is probed unloaded (a few
-requests of each kind, one at a time). Per request we record each token's arrival and the server's
-Timings; per (variant, rate) row:
+requests of each kind, one at a time), after its decode CPUs time identical work
+(`--host-jitter-samples`: the host's own p99/p50, splitserve.bench.jitter). Per request we record
+each token's arrival and the server's Timings; per (variant, rate) row:
 
 - TTFT (first token - send), TPOT ((last - first) / (tokens - 1)), ITL (every gap, pooled);
 - the mean latency breakdown: queue, prefill, KV transfer, other, first token, decode;
@@ -229,6 +230,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     a("--unloaded-probes", type=positive, default=2, help="unloaded requests per kind before each sweep")
     a(
+        "--host-jitter-samples",
+        type=non_negative,
+        default=500,
+        help="before each local cluster's probes, time the same few-ms loop this many times on its "
+        "decode CPUs: the ITL p99/p50 identical work shows on this host (0: skip)",
+    )
+    a(
         "--busy",
         type=non_negative,
         default=0,
@@ -364,6 +372,7 @@ def run(args: argparse.Namespace) -> int:
         slo_scales=args.slo_scales,
         tpot_slo_multiples=args.tpot_slo_multiples,
         unloaded_probes=args.unloaded_probes,
+        host_jitter_samples=args.host_jitter_samples,
         request_timeout=args.request_timeout,
         scale_rate=args.scale_rate if args.scale_rate is not None else max(args.rates),
         decode_caps=decode_caps(

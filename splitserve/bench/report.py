@@ -51,6 +51,11 @@ def render(study: dict[str, Any]) -> str:
         lines.append(
             f"unloaded decode: {study['unloaded_decode_ms']:.1f} ms (the fastest unloaded TPOT of any variant)"
         )
+    if jitter := study.get("host_jitter"):
+        lines.append(
+            f"host jitter: the same loop on the decode CPUs took p99 {jitter['p99_x_p50']:.2f}x its median "
+            f"({jitter['samples']} runs over {len(jitter['by_variant'])} clusters; no ITL p99 ratio reads lower)"
+        )
     best = next((v for v in study["variants"] if v["best"]), None)
     for v in study["variants"]:
         mark = "  <- best tuned colocated" if v["best"] else ""

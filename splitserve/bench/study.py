@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from splitserve.bench.jitter import jitter_summary, time_fixed_work
 from splitserve.bench.load import RequestTrace, run_load, run_sequential
 from splitserve.bench.metrics import (
     GOODPUT_TARGET,
@@ -179,6 +180,7 @@ class StudyPlan:
     scale_rate: float
     decode_caps: list[str] = field(default_factory=list)  # the decode workers' caps (not colocated's)
     tpot_slo_multiples: list[float] = field(default_factory=list)  # mark_strict_tpot's
+    host_jitter_samples: int = 0  # fixed-work runs on each local cluster's decode CPUs (0: none)
 
 
 def probes(items: list[Item], per_kind: int) -> list[Item]:
@@ -368,10 +370,12 @@ def _mean(shares: Iterable[float]) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """The server a variant loads: its gRPC address and, for a local cluster, its processes' pids."""
+    """The server a variant loads: its gRPC address and, for a local cluster, its processes' pids and
+    the CPUs its decode role is pinned to (None: not pinned)."""
 
     address: str
     pids: list[int]
+    decode_cpus: tuple[int, ...] | None = None
 
 
 @contextmanager
@@ -382,7 +386,17 @@ def _served(spec: ClusterSpec | None, target: str | None) -> Iterator[Served]:
         yield Served(target, [])
         return
     with LocalCluster(spec, ready_timeout=300) as cluster:
-        yield Served(cluster.grpc_address, [p.proc.pid for p in cluster.processes])
+        decode_cpus = spec.cpus.get("colocated" if spec.mode == "colocated" else "decode")
+        yield Served(cluster.grpc_address, [p.proc.pid for p in cluster.processes], decode_cpus)
+
+
+def _host_jitter(served: Served, v: Variant, plan: StudyPlan, study: dict[str, Any]) -> list[float]:
+    """Identical work timed on `served`'s decode CPUs while its cluster idles (splitserve.bench.jitter):
+    recorded per variant in `study["host_jitter"]["by_variant"]`; returns the times for the pool."""
+    run = time_fixed_work(plan.host_jitter_samples, served.decode_cpus)
+    by_variant = study.setdefault("host_jitter", {"by_variant": {}})["by_variant"]
+    by_variant[v.name] = {**jitter_summary(run.times_ms), "cpus": run.cpus}
+    return run.times_ms
 
 
 def run_study(
@@ -414,12 +428,17 @@ def run_study(
         "rows": [],
     }
     ref: Reference | None = None
+    jitter: list[float] = []
     for v in vs:
         say(f"{v.name}: starting" if base_spec else f"{v.name}: against {target}")
         with _served(
             None if base_spec is None else variant_spec(base_spec, v, plan.decode_caps), target
         ) as served:
+            if plan.host_jitter_samples and served.pids:
+                jitter += _host_jitter(served, v, plan, study)
             ref = _sweep(served, v, plan, study, ref)
+    if jitter:
+        study["host_jitter"] |= jitter_summary(jitter)
     _mark_best(study)
     mark_itl_stretch(study)
     mark_strict_tpot(study, plan.tpot_slo_multiples)

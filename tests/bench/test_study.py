@@ -26,6 +26,7 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
         *(sys.executable, "-m", "splitserve.cli", "bench", "--model", str(tiny_model_dir("llama-2l"))),
         *("--modes", "colocated,disaggregated", "--mix", "0.25:96x4,0.75:16x8", "--num-requests", "4"),
         *("--rates", "4", "--slo-scale", "3", "--slo-scales", "1,4", "--unloaded-probes", "1"),
+        *("--host-jitter-samples", "30", "--pin", f"decode={max(os.sched_getaffinity(0))}"),
         *("--tpot-slo-multiples", "0.001,1000"),  # no request meets the first; only TTFT decides the second
         *("--insecure-control-plane", "--log-dir", str(tmp_path / "logs")),
         *("--json", str(tmp_path / "study.json"), "--plots", str(tmp_path / "plots")),
@@ -91,6 +92,13 @@ def test_two_modes_in_one_run(tiny_model_dir: Callable[[str], Path], tmp_path: P
     for row in study["rows"]:
         assert row["itl_p99_x_unloaded"] == pytest.approx(row["itl_ms"]["p99"] / fastest)
     assert "unloaded decode:" in done.stdout
+    jitter = study["host_jitter"]  # identical work on each cluster's decode CPUs, pooled
+    assert jitter["samples"] == 60 and jitter["p99_x_p50"] >= 1.0
+    assert set(jitter["by_variant"]) == {"colocated", "disaggregated"}
+    assert all(v["samples"] == 30 for v in jitter["by_variant"].values())
+    assert jitter["by_variant"]["disaggregated"]["cpus"] == [max(os.sched_getaffinity(0))]  # D's pin
+    assert jitter["by_variant"]["colocated"]["cpus"] == sorted(os.sched_getaffinity(0))  # not pinned
+    assert "host jitter: the same loop on the decode CPUs took p99" in done.stdout
 
     assert study["tpot_slo_multiples"] == {"0.001": fastest / 1000, "1000": fastest * 1000}
     for row in study["rows"]:

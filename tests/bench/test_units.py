@@ -11,6 +11,7 @@ import pytest
 
 from splitserve import bench
 from splitserve.bench.host import host_info
+from splitserve.bench.jitter import jitter_summary, time_fixed_work
 from splitserve.bench.load import RequestTrace
 from splitserve.bench.metrics import Latency, attainment, breakdown, goodput, scaled, summarize, unloaded
 from splitserve.bench.report import render
@@ -154,6 +155,29 @@ def test_itl_p99_is_read_against_the_sittings_fastest_unloaded_decode() -> None:
     text = render(study)
     assert "unloaded decode: 9.0 ms" in text
     assert "goodput conditional: 6 req/s (>= 90%)  (1.50x colocated@128)" in text
+
+
+def test_identical_work_is_timed_on_the_cpus_asked_for_and_read_as_p99_over_p50() -> None:
+    cpu = max(os.sched_getaffinity(0))
+    run = time_fixed_work(40, {cpu})
+    assert run.cpus == [cpu]  # the child's own affinity, as it read it
+    assert len(run.times_ms) == 40 and all(t > 0 for t in run.times_ms)
+    assert time_fixed_work(3, None).cpus == sorted(os.sched_getaffinity(0))  # unpinned: inherited
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        time_fixed_work(0, None)
+    summary = jitter_summary([4.0] * 98 + [6.0, 9.0])  # nearest rank: p99 is the 99th of 100
+    assert summary == {"p50": 4.0, "p90": 4.0, "p99": 6.0, "samples": 100, "p99_x_p50": 1.5}
+    study = {
+        "slo": {"scale": 0.0, "by_kind": {}},
+        "goodput_target": 0.9,
+        "variants": [],
+        "rows": [],
+        "host_jitter": {**summary, "by_variant": {"a": summary, "b": summary}},
+    }
+    assert (
+        "host jitter: the same loop on the decode CPUs took p99 1.50x its median (100 runs over 2"
+        in render(study)
+    )
 
 
 def test_goodput_under_a_strict_tpot_slo_is_read_against_the_sittings_unloaded_decode() -> None:
