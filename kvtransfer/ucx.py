@@ -45,6 +45,7 @@ log = structlog.get_logger(__name__)
 
 _LEN = struct.Struct("<I")
 PROGRESS_MODES = ("hybrid", "thread", "thread-polling", "polling", "blocking")
+UCXX_IDLE_WAIT_MS = 1  # the epoll timeout UCXX's thread mode starts its progress thread with
 
 # Chosen by measurement (docs/kvtransfer.md, "UCX settings").
 DEFAULT_UCX_OPTIONS: dict[str, str] = {
@@ -79,16 +80,29 @@ class UcxSettings:
     spins, always), "blocking" (the asyncio loop wakes on UCX's fd).
     options: UCX configuration (names without the `UCX_` prefix), applied over DEFAULT_UCX_OPTIONS,
     or over nothing (UCX's and UCXX's stock configuration) when `tuned` is False.
+    idle_wait_ms: the progress thread's epoll timeout (thread and hybrid modes), i.e. how often it
+    wakes with nothing to do; UCX's own events (a message, a peer's hang-up, the RMA completion
+    signal, a stop) wake it at once. UCXX's 1 ms wakes it 1,000 times a second: 2.4-2.8% of a core
+    per idle process, and a decode step sharing the core ran 4-5% slower at the median beside such
+    a waker (docs/kvtransfer.md, session 40). Stock settings (`tuned` False) keep UCXX's 1 ms.
     """
 
     progress_mode: str = "hybrid"
     options: dict[str, str] = field(default_factory=dict)
     tuned: bool = True
     connect_timeout_s: float = 10.0
+    idle_wait_ms: int = 100
 
     def __post_init__(self) -> None:
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"progress_mode must be one of {PROGRESS_MODES}, got {self.progress_mode!r}")
+        if self.idle_wait_ms < 1:
+            raise ValueError(f"idle_wait_ms must be >= 1, got {self.idle_wait_ms}")
+
+    @property
+    def progress_thread_wait_ms(self) -> int:
+        """The progress thread's epoll timeout: `idle_wait_ms`, or UCXX's own under stock settings."""
+        return self.idle_wait_ms if self.tuned else UCXX_IDLE_WAIT_MS
 
     def ucx_options(self) -> dict[str, str]:
         return {**(DEFAULT_UCX_OPTIONS if self.tuned else {}), **self.options}
@@ -151,8 +165,9 @@ class _Spinner:
     LINGER_S = 0.01  # keep polling this long after the last request: back-to-back messages
     # would otherwise stop and restart the progress thread once each
 
-    def __init__(self, enabled: bool) -> None:
+    def __init__(self, enabled: bool, wait_ms: int) -> None:
         self.enabled = enabled
+        self.wait_ms = wait_ms  # the progress thread's epoll timeout when it takes over again
         self.worker: Any = None
         self._pending: list[tuple[Any, asyncio.Future[None]]] = []
         self._task: asyncio.Task[None] | None = None
@@ -190,7 +205,7 @@ class _Spinner:
                 self._complete()
                 await asyncio.sleep(0)
         finally:
-            self.worker.start_progress_thread(polling_mode=False, epoll_timeout=1)
+            self.worker.start_progress_thread(polling_mode=False, epoll_timeout=self.wait_ms)
             self._task = None
 
 
@@ -325,7 +340,9 @@ class UcxTransport(Transport):
         self._listener: Any = None
         self._lib: _UcxLib | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._spinner = _Spinner(self.settings.progress_mode == "hybrid")
+        self._spinner = _Spinner(
+            self.settings.progress_mode == "hybrid", self.settings.progress_thread_wait_ms
+        )
         self._rma: Rma | None = None
 
     @property
@@ -359,7 +376,13 @@ class UcxTransport(Transport):
         self._lib = _UcxLib()
         self._loop = asyncio.get_running_loop()
         # The worker object is not public in UCXX's async API; the spinner needs it to progress.
-        self._spinner.worker = ucxx.core._get_ctx().worker
+        worker = self._spinner.worker = ucxx.core._get_ctx().worker
+        wait_ms = self.settings.progress_thread_wait_ms
+        if mode == "thread" and wait_ms != UCXX_IDLE_WAIT_MS:
+            # init started it (thread mode, for this loop) with UCXX's 1 ms; a stop signals the
+            # worker, so the restart does not wait out a timeout
+            worker.stop_progress_thread()
+            worker.start_progress_thread(polling_mode=False, epoll_timeout=wait_ms)
         self._listener = ucxx.create_listener(
             self._on_accept, port=port, connect_timeout=self.settings.connect_timeout_s
         )

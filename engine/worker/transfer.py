@@ -109,7 +109,7 @@ class TransferPlane:
     async def listen(
         cls, settings: WorkerSettings, engine: LLMEngine, metrics: WorkerMetrics
     ) -> TransferPlane:
-        ucx = UcxSettings(progress_mode=settings.ucx_progress_mode)
+        ucx = UcxSettings(progress_mode=settings.ucx_progress_mode, idle_wait_ms=settings.ucx_idle_wait_ms)
         transport = create_transport(settings.transfer_backend, kv_layout(engine), ucx)
         await transport.start(settings.advertise_host, settings.transfer_port)
         plane = cls(settings, engine, transport, metrics)

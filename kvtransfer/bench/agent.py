@@ -51,6 +51,7 @@ from kvtransfer.pull import PullRecvSession, PullSendSession
 from kvtransfer.session import RecvSession, SendSession
 from kvtransfer.staging import pool_for
 from kvtransfer.transport import Transport
+from splitserve.argtypes import positive
 
 log = structlog.get_logger(__name__)
 
@@ -310,6 +311,7 @@ async def serve(args: argparse.Namespace) -> None:
         progress_mode=args.progress_mode,
         options=dict(kv.split("=", 1) for kv in args.ucx_opt),
         tuned=not args.stock,
+        idle_wait_ms=args.ucx_idle_wait_ms,
     )
     nixl = NixlSettings(progress_thread=args.nixl_progress_thread, register=args.nixl_register)
     transport = create_transport(args.backend, layout, settings, nixl=nixl)
@@ -370,6 +372,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fragment", type=int, default=None, help="churn the pool with this seed (fragment_pool)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--progress-mode", default=UcxSettings().progress_mode)
+    p.add_argument("--ucx-idle-wait-ms", type=positive, default=UcxSettings().idle_wait_ms)
     p.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--stock", action="store_true", help="UCX with UCXX's stock settings, not ours")
     p.add_argument(

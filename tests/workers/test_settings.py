@@ -43,6 +43,23 @@ def test_ucx_progress_mode_choices_are_the_transports() -> None:
     assert tuple(action.choices or ()) == PROGRESS_MODES
 
 
+def test_ucx_idle_wait_default_is_the_transports() -> None:
+    from kvtransfer.ucx import UcxSettings
+
+    parser = argparse.ArgumentParser()
+    add_worker_arguments(parser, with_mode=True)
+    assert (
+        settings_from_args(parser.parse_args(REQUIRED), "decode").ucx_idle_wait_ms
+        == UcxSettings().idle_wait_ms
+    )
+    assert (
+        settings_from_args(
+            parser.parse_args([*REQUIRED, "--ucx-idle-wait-ms", "5"]), "decode"
+        ).ucx_idle_wait_ms
+        == 5
+    )
+
+
 def test_core_lease_flags() -> None:
     parser = argparse.ArgumentParser()
     add_worker_arguments(parser, with_mode=True)
