@@ -8,7 +8,6 @@ every path (an exception, Ctrl-C); each also gets SIGKILL if the benchmark itsel
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from collections.abc import Collection
@@ -16,7 +15,7 @@ from types import TracebackType
 
 import structlog
 
-from kvtransfer.bench.control import die_with_parent
+from kvtransfer.bench.control import dying_with_parent
 
 log = structlog.get_logger(__name__)
 
@@ -42,7 +41,9 @@ class BusyLoops:
         try:
             for _ in range(self.count):
                 self.processes.append(
-                    subprocess.Popen([sys.executable, "-c", BUSY_CODE], preexec_fn=self._in_child)
+                    subprocess.Popen(
+                        [sys.executable, "-c", BUSY_CODE], preexec_fn=dying_with_parent(self.cpus)
+                    )
                 )
         except BaseException:
             self.stop()
@@ -50,11 +51,6 @@ class BusyLoops:
         if self.processes:
             log.info("busy loops started", pids=self.pids, cpus=sorted(self.cpus) if self.cpus else "any")
         return self
-
-    def _in_child(self) -> None:
-        die_with_parent()
-        if self.cpus:
-            os.sched_setaffinity(0, self.cpus)
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None

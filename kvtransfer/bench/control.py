@@ -17,7 +17,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import IO, Any
 
@@ -97,6 +97,19 @@ def die_with_parent() -> None:
     """Linux: get SIGKILL when the process that spawned us dies, so no child outlives its bench."""
     PR_SET_PDEATHSIG = 1
     ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def dying_with_parent(cpus: Collection[int] | None) -> Callable[[], None]:
+    """A `preexec_fn` for a helper process of a bench (a busy loop, a timing child): SIGKILL when
+    the bench dies (`die_with_parent`), then pinned to `cpus` when given."""
+    pinned = set(cpus) if cpus else None
+
+    def prepare() -> None:
+        die_with_parent()
+        if pinned:
+            os.sched_setaffinity(0, pinned)
+
+    return prepare
 
 
 def _prepare_child(cpu: int | None, wrapped: bool) -> None:

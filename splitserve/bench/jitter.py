@@ -14,15 +14,14 @@ killed with its parent (PR_SET_PDEATHSIG) if the bench dies first.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from kvtransfer.bench.control import die_with_parent
-from splitserve.bench.metrics import dist, percentile
+from kvtransfer.bench.control import dying_with_parent
+from splitserve.bench.metrics import dist
 
 FIXED_WORK_CODE = """
 import json, os, sys, time
@@ -55,20 +54,13 @@ def time_fixed_work(samples: int, cpus: Collection[int] | None, timeout_s: float
     the OS puts it). RuntimeError (with its stderr) if the child fails."""
     if samples < 1:
         raise ValueError(f"samples must be >= 1, got {samples}")
-    pinned = set(cpus) if cpus else None
-
-    def in_child() -> None:
-        die_with_parent()
-        if pinned:
-            os.sched_setaffinity(0, pinned)
-
     done = subprocess.run(
         [sys.executable, "-c", FIXED_WORK_CODE, str(samples)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
         check=False,
-        preexec_fn=in_child,
+        preexec_fn=dying_with_parent(cpus),
     )
     if done.returncode != 0:
         raise RuntimeError(f"the fixed-work child exited {done.returncode}: {done.stderr.strip()[-500:]}")
@@ -78,5 +70,5 @@ def time_fixed_work(samples: int, cpus: Collection[int] | None, timeout_s: float
 
 def jitter_summary(times_ms: list[float]) -> dict[str, Any]:
     """p50/p90/p99 of `times_ms`, how many, and `p99_x_p50`: the ITL ratio identical work reaches."""
-    p50 = percentile(times_ms, 50)
-    return {**dist(times_ms), "samples": len(times_ms), "p99_x_p50": percentile(times_ms, 99) / p50}
+    spread = dist(times_ms)
+    return {**spread, "samples": len(times_ms), "p99_x_p50": spread["p99"] / spread["p50"]}
