@@ -6,7 +6,7 @@
     kvbench serve --backend ucx --host 0.0.0.0 --advertise 10.0.0.5 --control-port 5555
     kvbench run --backend ucx --peer tcp://10.0.0.5:5555  # the receiver is the remote `serve`
     kvbench run --backend ucx,nixl,nixl-raw --busy 2      # beside raw NIXL, 2 busy loops running
-    kvbench run --backend ucx-get,nixl-raw --rounds 4     # A B, B A, A B, B A: per-round "vs peer", median
+    kvbench run --backend ucx-get,nixl-raw --rounds 4     # 4 rounds: per-round "vs peer", median
     kvbench run --backend ucx,tcp,nixl-raw --netns --mtu 1500  # two "hosts": namespaces + a veth pair (root)
 
 Prints a single-thread memcpy baseline first (with `--device cuda`: a device-to-device copy), then
@@ -27,7 +27,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from kvtransfer.bench import agent, get_loops, model_sweep, netns, nixl_sweep, report, runner
+from kvtransfer.bench import agent, get_loops, model_sweep, netns, nixl_sweep, raw_sweep, report, runner
 from kvtransfer.bench.bench_loops import default_ring_bytes, memcpy_gbps
 from kvtransfer.bench.busy import BusyLoops
 from kvtransfer.bench.report import parse_size, parse_tokens
@@ -67,9 +67,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--rounds",
         type=int,
         default=1,
-        help="run the backend list this many times, reversed every other round (A B, B A, ...), so "
-        "a ratio between backends is taken from neighbouring measurements; prints each round's "
-        "`vs peer` ratios and their median",
+        help="run the backend list this many times, reversed every other round (A B, B A, ...); "
+        "within a round the backends' raw runs alternate run by run, so a ratio between backends "
+        "compares neighbouring measurements; prints each round's `vs peer` ratios and their median",
     )
     run.add_argument("--progress-mode", default=None, help="UCX progress mode (default: kvtransfer's)")
     run.add_argument("--ucx-opt", action="append", default=[], metavar="KEY=VALUE", help="extra UCX option")
@@ -173,6 +173,8 @@ async def _run(args: argparse.Namespace, argv: list[str]) -> int:
     unknown = [b for b in cfg.backends if b not in known]
     if unknown:
         raise SystemExit(f"unknown backend(s) {unknown}; choose from {sorted(known)}")
+    if cfg.peer is not None and len(cfg.backends) > 1:
+        raise SystemExit(f"--peer measures the one backend its `kvbench serve` runs; got {cfg.backends}")
     if get_loops.BACKEND in cfg.backends and (cfg.peer or cfg.device != "cpu"):
         print(f"{get_loops.BACKEND}: skipped (local, host memory only for now)", file=sys.stderr)
         cfg.backends = [b for b in cfg.backends if b != get_loops.BACKEND]
@@ -218,14 +220,17 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
         print(f"{kind}, buffers rotated through {ring} per size):")
         print(report.table([{"size": report.format_size(s), "memcpy_gbps": g} for s, g in memcpy.items()]))
     shaped = list(cfg.backends) if cfg.model_shape else []
+    raw_backends = [b for b in cfg.backends if b not in raw_sweep.NO_RAW_ROWS]
     progress = report.Progress(
-        cfg.rounds * (len(cfg.backends) * len(cfg.sizes) * len(cfg.depths) + len(shaped) * len(cfg.tokens))
+        cfg.rounds * (len(raw_backends) * len(cfg.sizes) * len(cfg.depths) + len(shaped) * len(cfg.tokens))
     )
     rows: list[report.Row] = []
     for round_ in range(cfg.rounds):
-        for backend in cfg.backends if round_ % 2 == 0 else cfg.backends[::-1]:
-            measured = await _backend_rows(cfg, backend, backend in shaped, memcpy, memcpy_for, progress)
-            rows += [{**row, "round": round_} for row in measured]
+        order = cfg.backends if round_ % 2 == 0 else cfg.backends[::-1]
+        measured = await raw_sweep.raw_sweep(cfg, order, memcpy, progress) if cfg.sizes else []
+        for backend in order if shaped else []:
+            measured += await _model_rows(cfg, backend, memcpy_for, progress)
+        rows += [{**row, "round": round_} for row in measured]
     model_sweep.add_raw_ratios(rows)
     report.add_peer_ratios(rows)
     raw_rows = [r for r in rows if r["mode"] == "raw"]
@@ -234,9 +239,7 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
     if cfg.model_shape:
         print(report.table([r for r in rows if r["mode"] == "model"], report.MODEL_COLUMNS))
     if cfg.rounds > 1 and (summary := report.peer_summary(rows)):
-        print(
-            f"vs peer ({report.PEER}) round by round, {cfg.rounds} rounds, order reversed every other round:"
-        )
+        print(f"vs peer ({report.PEER}) round by round, {cfg.rounds} rounds, runs alternating within each:")
         print(summary)
     if args.json:
         report.write_json_lines(rows, args.json)
@@ -253,29 +256,13 @@ async def _sweep(cfg: runner.BenchConfig, args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-async def _backend_rows(
-    cfg: runner.BenchConfig,
-    backend: str,
-    shaped: bool,
-    memcpy: dict[int, float],
-    memcpy_for: Callable[[int], float],
-    progress: report.Progress,
+async def _model_rows(
+    cfg: runner.BenchConfig, backend: str, memcpy_for: Callable[[int], float], progress: report.Progress
 ) -> list[report.Row]:
-    """One backend's rows of one round: its raw sizes, then (`shaped`) its model-shaped prompts."""
-    rows: list[report.Row] = []
-    if cfg.sizes and backend == "nixl-raw":
-        rows += await nixl_sweep.nixl_sweep(cfg, memcpy, progress)
-    elif cfg.sizes and backend == get_loops.BACKEND:
-        rows += await get_loops.get_sweep(cfg, memcpy, progress)
-    elif cfg.sizes and backend == "nixl-get":
-        print("nixl-get: no raw rows (model-shaped pulls only; nixl-raw is NIXL's raw READ)", file=sys.stderr)
-    elif cfg.sizes:
-        rows += await runner.raw_sweep(cfg, backend, memcpy, progress)
-    if shaped and backend == "nixl-raw":
-        rows += await nixl_sweep.nixl_model_sweep(cfg, memcpy_for, progress)
-    elif shaped:
-        rows += await model_sweep.model_sweep(cfg, backend, memcpy_for, progress)
-    return rows
+    """One backend's model-shaped rows of one round."""
+    if backend == report.PEER:
+        return await nixl_sweep.nixl_model_sweep(cfg, memcpy_for, progress)
+    return await model_sweep.model_sweep(cfg, backend, memcpy_for, progress)
 
 
 def main(argv: list[str] | None = None) -> int:

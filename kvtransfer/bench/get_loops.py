@@ -14,13 +14,11 @@ Agent side: `GetLoops` is a mixin of `Agent` (ops `get_expose`, `bench_get`, `ge
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 from typing import Any
 
 from kvtransfer.bench import runner
 from kvtransfer.bench.bench_loops import BenchLoops, cpu_seconds, percentiles_us, ring_checksums
-from kvtransfer.bench.report import Progress, Row, format_size
 from kvtransfer.transport import Transport
 from kvtransfer.ucx import UcxPeer, UcxTransport
 from kvtransfer.ucx_rma import GetRun, MemRegion
@@ -120,47 +118,42 @@ class GetLoops:
         }
 
 
-async def _get_run(
-    agents: runner.Agents, sources: list[list[Any]], iters: int, depth: int, verify: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """One run as `runner.raw_row` reads it: (receiver side, sender side)."""
-    before = await agents.send.call("get_sender_state")
-    recv = await agents.recv.call(
-        "bench_get", peer=agents.sender_address, sources=sources, iters=iters, depth=depth,
-        verify=verify, timeout=600,
-    )  # fmt: skip
-    after = await agents.send.call("get_sender_state", verify=verify)
-    used = min(iters, len(sources))
-    send = {
-        **{k: recv[k] for k in ("first_us", "p50_us", "p99_us", "p999_us")},
-        "cpu_s": after["cpu_s"] - before["cpu_s"],
-        "checksums": after["checksums"][:used] if verify else None,
-    }
-    return recv, send
+class GetLane:
+    """The `ucx-get` raw rows as `runner.raw_points` drives them: the sender maps each ring it is
+    given for remote reads, the receiver reads it."""
 
+    backend: str = BACKEND
+    transport: str | None = None
 
-async def get_sweep(cfg: runner.BenchConfig, memcpy: dict[int, float], progress: Progress) -> list[Row]:
-    """The ucx-get rows of a raw sweep (sizes x depths), measured as `runner.raw_sweep` measures."""
-    agents = await runner.start_agents(cfg, BACKEND, runner.RAW_LAYOUT, 1)
-    rows = []
-    try:
-        for size in cfg.sizes:
-            await agents.send.call("ring", size=size, seed=size, ring_bytes=cfg.ring_bytes, device=cfg.device)
-            await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes, device=cfg.device)
-            sources = (await agents.send.call("get_expose"))["sources"]
-            for depth in cfg.depths:
-                warm_iters = max(2 * depth, len(sources))
-                t0 = time.perf_counter()
-                _, warm = await _get_run(agents, sources, warm_iters, depth, verify=False)
-                per_iter = (time.perf_counter() - t0) / warm_iters
-                iters = max(len(sources), 2 * depth, math.ceil(cfg.duration_s / per_iter))
-                runs = [
-                    await _get_run(agents, sources, iters, depth, verify=i == cfg.repeats - 1)
-                    for i in range(cfg.repeats)
-                ]
-                row = runner.raw_row(cfg, BACKEND, size, depth, iters, memcpy[size], agents, warm, runs)
-                rows.append(row)
-                progress.step(f"{BACKEND} {format_size(size)} depth {depth}")
-    finally:
-        await agents.close()
-    return rows
+    def __init__(self, agents: runner.Agents, device: str, ring_bytes: int | None) -> None:
+        self.agents = agents
+        self._device, self._ring_bytes = device, ring_bytes
+        self._sources: list[list[Any]] = []
+
+    @classmethod
+    async def open(cls, cfg: runner.BenchConfig) -> GetLane:
+        return cls(await runner.start_agents(cfg, BACKEND, runner.RAW_LAYOUT, 1), cfg.device, cfg.ring_bytes)
+
+    async def ring(self, size: int) -> int:
+        send, recv = self.agents.send, self.agents.recv
+        await send.call("ring", size=size, seed=size, ring_bytes=self._ring_bytes, device=self._device)
+        await recv.call("ring", size=size, ring_bytes=self._ring_bytes, device=self._device)
+        self._sources = (await send.call("get_expose"))["sources"]
+        return len(self._sources)
+
+    async def run(self, iters: int, depth: int, verify: bool) -> runner.RunReplies:
+        """One run as `runner.raw_row` reads it: (receiver side, sender side)."""
+        agents, sources = self.agents, self._sources
+        before = await agents.send.call("get_sender_state")
+        recv = await agents.recv.call(
+            "bench_get", peer=agents.sender_address, sources=sources, iters=iters, depth=depth,
+            verify=verify, timeout=600,
+        )  # fmt: skip
+        after = await agents.send.call("get_sender_state", verify=verify)
+        used = min(iters, len(sources))
+        send = {
+            **{k: recv[k] for k in ("first_us", "p50_us", "p99_us", "p999_us")},
+            "cpu_s": after["cpu_s"] - before["cpu_s"],
+            "checksums": after["checksums"][:used] if verify else None,
+        }
+        return recv, send

@@ -1,10 +1,11 @@
 """kvbench's `nixl-raw` row: raw NIXL (UCX backend) between two agent processes, measured as our raw rows are.
 
-Same set-up as `runner.raw_sweep`: two processes, rings beyond the LLC on both sides (sender seeded,
-receiver zeroed), a warm-up run, `repeats` runs of `duration`, the last verified by CRC-32 of every ring
-buffer on both sides, GB/s from the span between the first and the last completion. Each variant
-(READ or WRITE, NIXL's progress thread off or on) is measured and the row reports the best verified
-one (`transport` names it; `nixl_variants` holds all). Without the progress thread the target
+Measured as our raw rows are, side by side with them (`runner.raw_points`): two processes, rings
+beyond the LLC on both sides (sender seeded, receiver zeroed), a warm-up run, `repeats` runs of
+`duration`, the last verified by CRC-32 of every ring buffer on both sides, GB/s from the span
+between the first and the last completion. Each variant (READ or WRITE, NIXL's progress thread off
+or on) is a lane of its own and the row reports the best verified one (`best_variants`: `transport`
+names it; `nixl_variants` holds all). Without the progress thread the target
 progresses NIXL itself until the initiator's closing notification (as nixlbench's target does).
 
 Its `--model-shape` rows move a prompt's KV as `model_sweep` moves ours: both agents hold a
@@ -21,7 +22,6 @@ One request for the whole prompt is NIXL's best case: our `ucx-get` row pulls ch
 from __future__ import annotations
 
 import asyncio
-import math
 import statistics
 import time
 import uuid
@@ -31,8 +31,8 @@ from typing import Any
 
 from kvtransfer.bench import model_sweep
 from kvtransfer.bench.control import AgentClient, spawn_agent
-from kvtransfer.bench.report import Progress, Row, format_size
-from kvtransfer.bench.runner import Agents, BenchConfig, agent_cpus, model_layout, raw_row
+from kvtransfer.bench.report import PEER, Progress, Row
+from kvtransfer.bench.runner import Agents, BenchConfig, RunReplies, agent_cpus, model_layout
 from kvtransfer.nixl_memory import import_nixl
 
 VARIANTS = {
@@ -74,9 +74,7 @@ async def _start(cfg: BenchConfig, thread: bool) -> Agents:
     return agents
 
 
-async def _run(
-    agents: Agents, op: str, thread: bool, iters: int, depth: int, used: int | None
-) -> tuple[dict[str, Any], dict[str, Any]]:
+async def _run(agents: Agents, op: str, thread: bool, iters: int, depth: int, used: int | None) -> RunReplies:
     """One run; `used`: verify that many ring buffers. Returns (receiver, sender) replies shaped
     as `runner.raw_row` reads them (span and latencies from the initiator)."""
     initiator, target = (agents.send, agents.recv) if op == "WRITE" else (agents.recv, agents.send)
@@ -94,64 +92,87 @@ async def _run(
     return recv, {**xfer, "checksums": checks[1]}
 
 
-async def _prepare_rings(cfg: BenchConfig, agents: Agents, size: int) -> int:
-    sent = await agents.send.call("ring", size=size, seed=size, ring_bytes=cfg.ring_bytes)
-    received = await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes)
+async def _prepare_rings(ring_bytes: int | None, agents: Agents, size: int) -> int:
+    sent = await agents.send.call("ring", size=size, seed=size, ring_bytes=ring_bytes)
+    received = await agents.recv.call("ring", size=size, ring_bytes=ring_bytes)
     await agents.send.call("peer_ring", descs=received["descs"], metadata=received["metadata"])
     await agents.recv.call("peer_ring", descs=sent["descs"], metadata=sent["metadata"])
     return int(sent["ring"])
 
 
-async def _variant_rows(
-    cfg: BenchConfig, thread: bool, ops: list[str], memcpy: dict[int, float]
-) -> list[tuple[tuple[int, int], Row]]:
-    agents = await _start(cfg, thread)
-    rows = []
-    try:
-        for size in cfg.sizes:
-            ring = await _prepare_rings(cfg, agents, size)
-            for depth in cfg.depths:
-                for op in ops:
-                    warm_iters = max(2 * depth, ring)  # touches every ring buffer once
-                    t0 = time.perf_counter()
-                    _, warm = await _run(agents, op, thread, warm_iters, depth, None)
-                    per_iter = (time.perf_counter() - t0) / warm_iters
-                    iters = max(ring, 2 * depth, math.ceil(cfg.duration_s / per_iter))
-                    used = min(iters, ring)
-                    runs = [
-                        await _run(agents, op, thread, iters, depth, used if i == cfg.repeats - 1 else None)
-                        for i in range(cfg.repeats)
-                    ]
-                    row = raw_row(cfg, "nixl-raw", size, depth, iters, memcpy[size], agents, warm, runs)
-                    row["transport"] = f"nixl:UCX {op} thread {'on' if thread else 'off'}"
-                    rows.append(((size, depth), row))
-    finally:
-        await agents.close()
-    return rows
+class _NixlPair:
+    """A pair of NIXL agents (its progress thread off or on) and the ring size they hold, shared
+    by the READ and WRITE lanes measured on it."""
+
+    def __init__(self, agents: Agents, thread: bool, ring_bytes: int | None) -> None:
+        self.agents, self.thread, self._ring_bytes = agents, thread, ring_bytes
+        self._size: int | None = None
+        self.buffers = 0
+
+    async def ring(self, size: int) -> int:
+        if self._size != size:
+            self.buffers = await _prepare_rings(self._ring_bytes, self.agents, size)
+            self._size = size
+        return self.buffers
 
 
-async def nixl_sweep(cfg: BenchConfig, memcpy: dict[int, float], progress: Progress) -> list[Row]:
-    """One row per (size, depth): the best verified variant of `cfg.nixl_variants`."""
+class NixlLane:
+    """One NIXL variant's raw rows (`runner.RawLane`): READs or WRITEs on a `_NixlPair`."""
+
+    backend: str = PEER
+
+    def __init__(self, pair: _NixlPair, op: str) -> None:
+        self.agents, self._pair, self._op = pair.agents, pair, op
+        self.transport: str | None = f"nixl:UCX {op} thread {'on' if pair.thread else 'off'}"
+
+    async def ring(self, size: int) -> int:
+        return await self._pair.ring(size)
+
+    async def run(self, iters: int, depth: int, verify: bool) -> RunReplies:
+        used = min(iters, self._pair.buffers) if verify else None
+        return await _run(self.agents, self._op, self._pair.thread, iters, depth, used)
+
+
+async def open_lanes(cfg: BenchConfig) -> list[NixlLane]:
+    """A lane per variant of `cfg.nixl_variants`, on one agent pair per progress-thread setting.
+    The caller closes the lanes' agents."""
     if cfg.peer is not None:
         raise SystemExit("--backend nixl-raw runs both of its agents on this host (drop --peer)")
     unknown = [v for v in cfg.nixl_variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --nixl-variants {unknown}; choose from {sorted(VARIANTS)}")
+    lanes: list[NixlLane] = []
+    try:
+        for thread in (False, True):
+            ops = [VARIANTS[v][0] for v in cfg.nixl_variants if VARIANTS[v][1] == thread]
+            if ops:
+                pair = _NixlPair(await _start(cfg, thread), thread, cfg.ring_bytes)
+                lanes += [NixlLane(pair, op) for op in ops]
+    except BaseException:
+        for agents in {id(lane.agents): lane.agents for lane in lanes}.values():
+            await agents.close()
+        raise
+    return lanes
+
+
+def best_variants(rows: list[Row]) -> list[Row]:
+    """`rows` with the nixl-raw rows of each (size, depth) replaced by the best verified one, in
+    the first one's place; `nixl_variants` keeps every variant's GB/s, `verified` is all of theirs."""
     by_point: dict[tuple[int, int], list[Row]] = defaultdict(list)
-    for thread in (False, True):
-        ops = [VARIANTS[v][0] for v in cfg.nixl_variants if VARIANTS[v][1] == thread]
-        if ops:
-            for point, row in await _variant_rows(cfg, thread, ops, memcpy):
-                by_point[point].append(row)
-    rows = []
-    for (size, depth), candidates in by_point.items():
-        verified = [r for r in candidates if r["verified"]]
-        best = dict(max(verified or candidates, key=lambda r: float(r["gbps"])))
-        best["nixl_variants"] = {r["transport"]: r["gbps"] for r in candidates}
-        best["verified"] = all(r["verified"] for r in candidates)
-        rows.append(best)
-        progress.step(f"nixl-raw {format_size(size)} depth {depth}")
-    return rows
+    for r in rows:
+        if r["backend"] == PEER:
+            by_point[(r["size_bytes"], r["depth"])].append(r)
+    merged = []
+    for r in rows:
+        if r["backend"] != PEER:
+            merged.append(r)
+        elif (candidates := by_point[(r["size_bytes"], r["depth"])])[0] is r:
+            verified = [c for c in candidates if c["verified"]]
+            best = dict(max(verified or candidates, key=lambda c: float(c["gbps"])))
+            best["nixl_variants"] = {c["transport"]: c["gbps"] for c in candidates}
+            best["verified"] = all(c["verified"] for c in candidates)
+            merged.append(best)
+    return merged
 
 
 async def nixl_model_sweep(

@@ -1,12 +1,14 @@
 """kvbench's orchestration: start (or reach) the two agents, sweep, and turn replies into rows.
 
 Per point: a warm-up run (its first message, on fresh buffers, gives the registration cost), then
-`repeats` runs sized to `duration` each; GB/s is the median over repeats, latency percentiles come
-from the last run, and the last run is verified (CRC-32 of every ring buffer on both sides).
+`repeats` runs sized to `duration` each, taken in turn with the other backends' (`raw_points`); GB/s
+is the median over repeats, latency percentiles come from the last run, and the last run is verified
+(CRC-32 of every ring buffer on both sides).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import math
@@ -14,8 +16,9 @@ import os
 import random
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from kvtransfer import KVLayout
 from kvtransfer.bench.bench_loops import default_ring_bytes
@@ -48,7 +51,9 @@ class BenchConfig:
     depths: list[int] = field(default_factory=lambda: [1])
     duration_s: float = 2.0
     repeats: int = 3
-    rounds: int = 1  # the backend list this many times, reversed every other round
+    rounds: int = (
+        1  # the backend list this many times, reversed every other round (raw_points alternates runs)
+    )
     progress_mode: str | None = None
     ucx_opts: list[str] = field(default_factory=list)
     peer: str | None = None  # control endpoint of a remote `kvbench serve` (receiver side)
@@ -155,56 +160,99 @@ def _tag_base() -> int:
     return random.getrandbits(31) << 32
 
 
-async def _raw_run(
-    agents: Agents, iters: int, depth: int, verify: bool
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    import asyncio
-
-    tag = _tag_base()
-    recv, send = await asyncio.gather(
-        agents.recv.call(
-            "bench_recv", peer=agents.sender_address, iters=iters, tag_base=tag, verify=verify, timeout=600
-        ),
-        agents.send.call(
-            "bench_send",
-            peer=agents.receiver_address,
-            iters=iters,
-            tag_base=tag,
-            depth=depth,
-            verify=verify,
-            timeout=600,
-        ),
-    )
-    return recv, send
+RunReplies = tuple[dict[str, Any], dict[str, Any]]  # one run's (receiver side, sender side) replies
 
 
-async def raw_sweep(
-    cfg: BenchConfig, backend: str, memcpy: dict[int, float], progress: Progress
+class RawLane(Protocol):
+    """One backend's raw measurement on agents it started: rings per size, runs on demand.
+
+    `raw_points` drives several lanes side by side; the lane's owner closes `agents`."""
+
+    backend: str
+    agents: Agents
+    transport: str | None  # the row's `transport` where it is not `agents.transport` (a variant)
+
+    async def ring(self, size: int) -> int:
+        """Give both sides a ring of `size`-byte buffers; how many buffers a ring holds."""
+        ...
+
+    async def run(self, iters: int, depth: int, verify: bool) -> RunReplies:
+        """`iters` messages of the current size, `depth` in flight; `verify`: checksum both rings."""
+        ...
+
+
+class TwoSidedLane:
+    """Our push backends' raw rows (`ucx`, `tcp`, `nixl`...): the sender's tagged sends, the
+    receiver's posted receives (`bench_loops`)."""
+
+    transport: str | None = None
+
+    def __init__(self, backend: str, agents: Agents, device: str, ring_bytes: int | None) -> None:
+        self.backend, self.agents = backend, agents
+        self._device, self._ring_bytes = device, ring_bytes
+
+    @classmethod
+    async def open(cls, cfg: BenchConfig, backend: str) -> TwoSidedLane:
+        return cls(backend, await start_agents(cfg, backend, RAW_LAYOUT, 1), cfg.device, cfg.ring_bytes)
+
+    async def ring(self, size: int) -> int:
+        send, recv = self.agents.send, self.agents.recv
+        sent = await send.call("ring", size=size, seed=size, ring_bytes=self._ring_bytes, device=self._device)
+        await recv.call("ring", size=size, ring_bytes=self._ring_bytes, device=self._device)
+        return int(sent["ring"])
+
+    async def run(self, iters: int, depth: int, verify: bool) -> RunReplies:
+        agents, tag = self.agents, _tag_base()
+        recv, send = await asyncio.gather(
+            agents.recv.call(
+                "bench_recv", peer=agents.sender_address, iters=iters, tag_base=tag, verify=verify, timeout=600
+            ),
+            agents.send.call(
+                "bench_send", peer=agents.receiver_address, iters=iters, tag_base=tag, depth=depth,
+                verify=verify, timeout=600,
+            ),
+        )  # fmt: skip
+        return recv, send
+
+
+async def raw_points(
+    cfg: BenchConfig, lanes: Sequence[RawLane], memcpy: dict[int, float], progress: Progress
 ) -> list[Row]:
-    agents = await start_agents(cfg, backend, RAW_LAYOUT, 1)
-    rows = []
-    try:
-        for size in cfg.sizes:
-            ring = (
-                await agents.send.call(
-                    "ring", size=size, seed=size, ring_bytes=cfg.ring_bytes, device=cfg.device
-                )
-            )["ring"]
-            await agents.recv.call("ring", size=size, ring_bytes=cfg.ring_bytes, device=cfg.device)
-            for depth in cfg.depths:
+    """Every lane's row at every (size, depth), the lanes measured side by side.
+
+    Per point each lane prepares its ring and takes a warm-up run (which sizes its runs to
+    `cfg.duration_s`), then the lanes take their `repeats` runs in turn, the order reversed every
+    other repeat (A B, B A, A B): a ratio between two lanes compares runs at most a run apart, so a
+    slow spell of the host (seconds long on a shared VM) lands on both. The last repeat is verified.
+    Rows come lane by lane per point; each records when its runs started (`repeat_started_at`,
+    Unix seconds, to lay against other records of the host)."""
+    rows: list[Row] = []
+    for size in cfg.sizes:
+        rings = [await lane.ring(size) for lane in lanes]
+        for depth in cfg.depths:
+            planned = []  # (warm-up replies, iterations per run) per lane
+            for lane, ring in zip(lanes, rings, strict=True):
                 warm_iters = max(2 * depth, ring)  # touches (and registers) every ring buffer once
                 t0 = time.perf_counter()
-                _, warm = await _raw_run(agents, warm_iters, depth, verify=False)
+                _, warm = await lane.run(warm_iters, depth, verify=False)
                 per_iter = (time.perf_counter() - t0) / warm_iters
-                iters = max(ring, 2 * depth, math.ceil(cfg.duration_s / per_iter))
-                runs = [
-                    await _raw_run(agents, iters, depth, verify=i == cfg.repeats - 1)
-                    for i in range(cfg.repeats)
-                ]
-                rows.append(raw_row(cfg, backend, size, depth, iters, memcpy[size], agents, warm, runs))
+                planned.append((warm, max(ring, 2 * depth, math.ceil(cfg.duration_s / per_iter))))
+            runs: list[list[RunReplies]] = [[] for _ in lanes]
+            starts: list[list[float]] = [[] for _ in lanes]
+            for i in range(cfg.repeats):
+                for k in range(len(lanes)) if i % 2 == 0 else reversed(range(len(lanes))):
+                    starts[k].append(time.time())
+                    runs[k].append(await lanes[k].run(planned[k][1], depth, verify=i == cfg.repeats - 1))
+            for lane, (warm, iters), lane_runs, lane_starts in zip(lanes, planned, runs, starts, strict=True):
+                row = raw_row(
+                    cfg, lane.backend, size, depth, iters, memcpy[size], lane.agents, warm, lane_runs
+                )
+                row["repeat_started_at"] = lane_starts
+                if lane.transport is not None:
+                    row["transport"] = lane.transport
+                rows.append(row)
+            for backend in dict.fromkeys(lane.backend for lane in lanes):
                 progress.step(f"{backend} {format_size(size)} depth {depth}")
-    finally:
-        await agents.close()
     return rows
 
 
@@ -217,7 +265,7 @@ def raw_row(
     memcpy: float,
     agents: Agents,
     warm: dict[str, Any],
-    runs: list[tuple[dict[str, Any], dict[str, Any]]],
+    runs: list[RunReplies],
 ) -> Row:
     rates = [(iters - 1) * size / recv["span_s"] / 1e9 for recv, _ in runs if recv["span_s"] > 0]
     gbps = statistics.median(rates) if rates else 0.0

@@ -44,16 +44,16 @@ def test_raw_sweep_writes_json_csv_and_plot(tmp_path: Path, capsys: pytest.Captu
     argv += ["--agent-log", str(tmp_path / "agents.log")]
     assert cli.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["backend"], r["size_bytes"]) for r in rows] == [
+    assert [(r["backend"], r["size_bytes"]) for r in rows] == [  # point by point, backends side by side
         ("ucx", 256 << 10),
-        ("ucx", 1 << 20),
         ("tcp", 256 << 10),
+        ("ucx", 1 << 20),
         ("tcp", 1 << 20),
     ]
     for r in rows:
         assert r.keys() >= REQUIRED and r["verified"] is True and r["gbps"] > 0
         assert r["ratio"] == pytest.approx(r["gbps"] / r["memcpy_gbps"])
-    assert rows[0]["transport"].startswith("ucx:") and rows[2]["transport"] == "tcp"
+    assert rows[0]["transport"].startswith("ucx:") and rows[1]["transport"] == "tcp"
     assert len(list(csv.DictReader((tmp_path / "rows.csv").open()))) == 4
     assert (tmp_path / "bw.png").stat().st_size > 0
     printed = capsys.readouterr().out
@@ -70,10 +70,10 @@ def test_model_shape_mode_moves_a_prompts_kv_pushed_and_pulled(tmp_path: Path) -
     assert cli.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["backend"], r.get("tokens")) for r in rows] == [
-        ("raw", "tcp", None),
+        ("raw", "tcp", None),  # the raw rows side by side first, then each backend's model rows
+        ("raw", "ucx-get", None),
         ("model", "tcp", 100),
         ("model", "tcp", 1024),
-        ("raw", "ucx-get", None),
         ("model", "ucx-get", 100),
         ("model", "ucx-get", 1024),
     ]

@@ -151,13 +151,18 @@ def test_our_nixl_pull_rows_read_the_prompt_chunk_by_chunk_verified(tmp_path: Pa
     assert 1 < rows[0]["messages"] < rows[0]["blocks"]  # runs coalesced, both pools fragmented
 
 
+def test_a_peer_run_of_two_backends_is_refused_before_anything_starts() -> None:
+    with pytest.raises(SystemExit, match="--peer measures the one backend its `kvbench serve` runs"):
+        cli.main(["run", "--backend", "ucx,tcp", "--peer", "tcp://127.0.0.1:9", *TOY])
+
+
 def test_a_round_count_below_one_is_refused() -> None:
     with pytest.raises(SystemExit, match="--rounds takes a count"):
         cli.main(["run", "--backend", "tcp", "--rounds", "0", *TOY])
 
 
 @pytest.mark.skipif(nixl_missing() is not None, reason=f"NIXL not importable: {nixl_missing()}")
-def test_rounds_alternate_the_order_and_ratio_each_row_to_the_peer_of_its_round(
+def test_rounds_alternate_the_order_runs_alternate_within_and_ratio_each_row_to_its_rounds_peer(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "rows.jsonl"
@@ -172,7 +177,8 @@ def test_rounds_alternate_the_order_and_ratio_each_row_to_the_peer_of_its_round(
         "--rounds",
         "2",
     ]
-    assert cli.main([*argv, *TOY, "--json", str(out), "--agent-log", str(tmp_path / "a.log")]) == 0
+    argv += [*TOY, "--repeats", "3", "--json", str(out), "--agent-log", str(tmp_path / "a.log")]
+    assert cli.main(argv) == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["round"], r["backend"]) for r in rows] == [
         (0, "tcp"),
@@ -180,6 +186,10 @@ def test_rounds_alternate_the_order_and_ratio_each_row_to_the_peer_of_its_round(
         (1, "nixl-raw"),
         (1, "tcp"),
     ]
+    for first, second in (rows[0:2], rows[2:4]):  # each round: A B, B A, A B run by run
+        a, b = first["repeat_started_at"], second["repeat_started_at"]
+        assert len(a) == len(b) == 3 and a[0] < b[0] < b[1] < a[1] < a[2] < b[2], (a, b)
+    assert rows[1]["repeat_started_at"][2] < rows[2]["repeat_started_at"][0]  # round 1 starts after round 0
     peer = {r["round"]: r["gbps"] for r in rows if r["backend"] == "nixl-raw"}
     ours = [r for r in rows if r["backend"] == "tcp"]
     assert all(r["verified"] for r in rows) and "peer_ratio" not in rows[1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtransfer.bench import model_sweep, netns, nixl_sweep, runner
+from kvtransfer.bench import model_sweep, netns, nixl_sweep, raw_sweep, runner
 from kvtransfer.bench.control import spawn_agent
 from kvtransfer.bench.report import Progress
 from tests.kvtransfer.conftest import Pair, agent_args, assert_session_bit_exact, connect_pair
@@ -80,7 +80,7 @@ async def test_nixl_row_moves_verified_bytes_across_the_link(link: netns.NetnsPa
         nixl_variants=["write"],
         netns=link,
     )
-    (row,) = await nixl_sweep.nixl_sweep(cfg, {size: 1.0}, Progress(1))
+    (row,) = await raw_sweep.raw_sweep(cfg, cfg.backends, {size: 1.0}, Progress(1))
     assert row["verified"] and row["gbps"] > 0 and row["link"] == "veth mtu 1500"
 
 
