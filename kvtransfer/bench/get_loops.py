@@ -118,28 +118,16 @@ class GetLoops:
         }
 
 
-class GetLane:
-    """The `ucx-get` raw rows as `runner.raw_points` drives them: the sender maps each ring it is
-    given for remote reads, the receiver reads it."""
+class GetLane(runner.TwoSidedLane):
+    """The `ucx-get` raw rows as `runner.raw_points` drives them: rings as the two-sided rows', which
+    the sender then maps for remote reads, and runs of the receiver's gets."""
 
-    backend: str = BACKEND
-    transport: str | None = None
-
-    def __init__(self, agents: runner.Agents, device: str, ring_bytes: int | None) -> None:
-        self.agents = agents
-        self._device, self._ring_bytes = device, ring_bytes
-        self._sources: list[list[Any]] = []
-
-    @classmethod
-    async def open(cls, cfg: runner.BenchConfig) -> GetLane:
-        return cls(await runner.start_agents(cfg, BACKEND, runner.RAW_LAYOUT, 1), cfg.device, cfg.ring_bytes)
+    _sources: list[list[Any]]  # each sender ring buffer's (rkey hex, address), set by `ring`
 
     async def ring(self, size: int) -> int:
-        send, recv = self.agents.send, self.agents.recv
-        await send.call("ring", size=size, seed=size, ring_bytes=self._ring_bytes, device=self._device)
-        await recv.call("ring", size=size, ring_bytes=self._ring_bytes, device=self._device)
-        self._sources = (await send.call("get_expose"))["sources"]
-        return len(self._sources)
+        buffers = await super().ring(size)
+        self._sources = (await self.agents.send.call("get_expose"))["sources"]
+        return buffers
 
     async def run(self, iters: int, depth: int, verify: bool) -> runner.RunReplies:
         """One run as `runner.raw_row` reads it: (receiver side, sender side)."""

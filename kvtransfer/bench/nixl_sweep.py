@@ -32,7 +32,15 @@ from typing import Any
 from kvtransfer.bench import model_sweep
 from kvtransfer.bench.control import AgentClient, spawn_agent
 from kvtransfer.bench.report import PEER, Progress, Row
-from kvtransfer.bench.runner import Agents, BenchConfig, RunReplies, agent_cpus, model_layout
+from kvtransfer.bench.runner import (
+    Agents,
+    BenchConfig,
+    RawLane,
+    RunReplies,
+    agent_cpus,
+    close_lanes,
+    model_layout,
+)
 from kvtransfer.nixl_memory import import_nixl
 
 VARIANTS = {
@@ -133,7 +141,7 @@ class NixlLane:
         return await _run(self.agents, self._op, self._pair.thread, iters, depth, used)
 
 
-async def open_lanes(cfg: BenchConfig) -> list[NixlLane]:
+async def open_lanes(cfg: BenchConfig) -> list[RawLane]:
     """A lane per variant of `cfg.nixl_variants`, on one agent pair per progress-thread setting.
     The caller closes the lanes' agents."""
     if cfg.peer is not None:
@@ -141,7 +149,7 @@ async def open_lanes(cfg: BenchConfig) -> list[NixlLane]:
     unknown = [v for v in cfg.nixl_variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown --nixl-variants {unknown}; choose from {sorted(VARIANTS)}")
-    lanes: list[NixlLane] = []
+    lanes: list[RawLane] = []
     try:
         for thread in (False, True):
             ops = [VARIANTS[v][0] for v in cfg.nixl_variants if VARIANTS[v][1] == thread]
@@ -149,8 +157,7 @@ async def open_lanes(cfg: BenchConfig) -> list[NixlLane]:
                 pair = _NixlPair(await _start(cfg, thread), thread, cfg.ring_bytes)
                 lanes += [NixlLane(pair, op) for op in ops]
     except BaseException:
-        for agents in {id(lane.agents): lane.agents for lane in lanes}.values():
-            await agents.close()
+        await close_lanes(lanes)
         raise
     return lanes
 

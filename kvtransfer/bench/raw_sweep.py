@@ -18,9 +18,9 @@ NO_RAW_ROWS = ("nixl-get",)  # model-shaped pulls only (nixl-raw is NIXL's raw R
 
 async def _open(cfg: runner.BenchConfig, backend: str) -> list[runner.RawLane]:
     if backend == PEER:
-        return list(await nixl_sweep.open_lanes(cfg))
+        return await nixl_sweep.open_lanes(cfg)
     if backend == get_loops.BACKEND:
-        return [await get_loops.GetLane.open(cfg)]
+        return [await get_loops.GetLane.open(cfg, backend)]
     return [await runner.TwoSidedLane.open(cfg, backend)]
 
 
@@ -41,5 +41,4 @@ async def raw_sweep(
             lanes += await _open(cfg, backend)
         return nixl_sweep.best_variants(await runner.raw_points(cfg, lanes, memcpy, progress))
     finally:
-        for agents in {id(lane.agents): lane.agents for lane in lanes}.values():
-            await agents.close()
+        await runner.close_lanes(lanes)

@@ -51,9 +51,7 @@ class BenchConfig:
     depths: list[int] = field(default_factory=lambda: [1])
     duration_s: float = 2.0
     repeats: int = 3
-    rounds: int = (
-        1  # the backend list this many times, reversed every other round (raw_points alternates runs)
-    )
+    rounds: int = 1  # the backend list this many times, reversed every other round
     progress_mode: str | None = None
     ucx_opts: list[str] = field(default_factory=list)
     peer: str | None = None  # control endpoint of a remote `kvbench serve` (receiver side)
@@ -213,6 +211,12 @@ class TwoSidedLane:
             ),
         )  # fmt: skip
         return recv, send
+
+
+async def close_lanes(lanes: Sequence[RawLane]) -> None:
+    """Close every agent pair the lanes run on, once each (lanes may share a pair)."""
+    for agents in {id(lane.agents): lane.agents for lane in lanes}.values():
+        await agents.close()
 
 
 async def raw_points(
