@@ -26,6 +26,7 @@ from engine.worker.metrics import HealthServer, WorkerMetrics
 from engine.worker.role import WorkerParts, WorkerRole
 from engine.worker.runtime import RegistrationError, WorkerControl
 from engine.worker.settings import WorkerSettings, settings_from_args
+from engine.worker.step_trace import StepTrace
 from engine.worker.stepper import StepLoop
 from engine.worker.transfer import TransferPlane, kv_layout_proto
 from kernels import cpu_ext
@@ -68,7 +69,12 @@ class Worker:
             self.metrics.kv_cache_huge_page_share.set(share)
         staging_pool = staging.pool_for(self.engine.runner.kv_cache)
         self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
-        self.stepper = StepLoop(self.engine, self.metrics, leases, net_of_waits=settings.idle_priority)
+        self.step_trace = (
+            StepTrace(settings.step_trace_dir, settings.worker_id) if settings.step_trace_dir else None
+        )
+        self.stepper = StepLoop(
+            self.engine, self.metrics, leases, net_of_waits=settings.idle_priority, trace=self.step_trace
+        )
         self.transfer: TransferPlane | None = None
         self.health: HealthServer | None = None
         self.control: WorkerControl | None = None
@@ -173,6 +179,8 @@ class Worker:
         self.stepper.stop()
         if self._step_task is not None:
             await asyncio.gather(self._step_task, return_exceptions=True)
+        if self.step_trace is not None:
+            self.step_trace.close()
         if self.control is not None:
             await self.control.close()
         if self.transfer is not None:

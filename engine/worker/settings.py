@@ -64,6 +64,7 @@ class WorkerSettings:
     # takes (0: any), and its CPU priority (idle: it computes only while its CPUs have nothing else)
     max_prompt_tokens: int = 0
     cpu_priority: str = "normal"
+    step_trace_dir: str = ""  # a JSON line per model step there (engine/worker/step_trace.py); "": none
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -187,6 +188,12 @@ def add_worker_arguments(parser: argparse.ArgumentParser, *, with_mode: bool = F
         type=int,
         default=w["metrics_port"],
         help="/metrics, /livez, /readyz port (0: OS-chosen)",
+    )
+    a(
+        "--step-trace-dir",
+        default=w["step_trace_dir"],
+        help="append a JSON line per model step to DIR/<worker id>-<pid>.jsonl "
+        "(summary: python -m engine.worker.step_trace FILE)",
     )
     a("--block-size", type=int, default=e["block_size"], help="tokens per KV block")
     a(
@@ -375,6 +382,7 @@ def settings_from_args(args: argparse.Namespace, role: str) -> WorkerSettings:
         transfer_port=args.transfer_port,
         transfer_backend=args.transfer_backend,
         metrics_port=args.metrics_port,
+        step_trace_dir=args.step_trace_dir,
         drain_timeout_s=args.drain_timeout,
         lease_ms=args.lease_ms,
         queue_lease_ms=args.queue_lease_ms,

@@ -41,6 +41,7 @@ from engine.scheduler import ScheduledSequence, SchedulerOutput
 from engine.sequence import Sequence
 from engine.worker.core_lease import CoreLeases
 from engine.worker.metrics import WorkerMetrics
+from engine.worker.step_trace import StepRecord, StepTrace
 
 log = structlog.get_logger(__name__)
 
@@ -81,7 +82,8 @@ class StepHandler(Protocol):
 
 class StepLoop:
     """Runs `engine`'s steps until `stop()`. Created and driven by the worker; one per engine.
-    `net_of_waits`: fit the step costs to each forward's time less its run-queue wait (module doc)."""
+    `net_of_waits`: fit the step costs to each forward's time less its run-queue wait (module doc).
+    `trace`: a line per step there (the worker opens and closes it)."""
 
     def __init__(
         self,
@@ -89,11 +91,13 @@ class StepLoop:
         metrics: WorkerMetrics,
         leases: CoreLeases | None = None,
         net_of_waits: bool = False,
+        trace: StepTrace | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
         self.leases = leases
         self.net_of_waits = net_of_waits
+        self.trace = trace
         self.handler: StepHandler | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         self._wake = asyncio.Event()
@@ -162,6 +166,9 @@ class StepLoop:
         await self._notify(self.handler.on_scheduled(out.scheduled))
         if borrowed:
             self.metrics.borrowed_core_steps.inc()
+        # keys the step's attention reads, counted before finish_step advances the sequences
+        context = sum(item.seq.num_computed_tokens + item.num_new_tokens for item in out.scheduled)
+        started_at = time.time()
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive
@@ -178,6 +185,18 @@ class StepLoop:
         self._end_step()
         self._account(out, seconds)
         await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
+        if self.trace is not None:
+            self.trace.write(
+                StepRecord(
+                    started_at=started_at,
+                    sequences=len(out.scheduled),
+                    tokens=out.num_tokens,
+                    context_tokens=context,
+                    seconds=seconds,
+                    run_queue_wait_s=waited,
+                    after_s=time.perf_counter() - start - seconds,
+                )
+            )
 
     def _borrow(self) -> list[int]:
         """The borrowed CPUs the next step may run on beside this worker's own: the free, unclaimed

@@ -1,6 +1,6 @@
 """A worker as a real process (`splitserve decode --mode colocated`): readiness line, health and metrics
-endpoints, heartbeats, one request, and SIGTERM -> drain -> Deregister -> exit 0; a dying control
-loop -> Deregister -> exit 1."""
+endpoints, heartbeats, one request and its step trace, and SIGTERM -> drain -> Deregister -> exit 0; a
+dying control loop -> Deregister -> exit 1."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import sys
 import urllib.request
 from pathlib import Path
 
+from engine.worker import step_trace
 from splitserve.control_auth import KeySet
 from tests.workers.conftest import WAIT_S, ScriptedCoordinator, execution_request
 
@@ -35,6 +36,7 @@ async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_
         *coord.keys.worker_args("colo-p"),
         *("--worker-id", "colo-p", "--advertise-host", "127.0.0.1", "--metrics-port", "0"),
         *("--block-size", "4", "--num-gpu-blocks", "32", "--transfer-backend", "tcp"),
+        *("--step-trace-dir", str(tmp_path / "steps")),
     ]
     with open(tmp_path / "worker.log", "w") as logs:  # logs to a file: an unread pipe could fill up
         proc = await asyncio.create_subprocess_exec(
@@ -75,6 +77,19 @@ async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_
         _, env = await coord.expect("deregister")
         assert env.deregister.worker_id == "colo-p"
         assert await asyncio.wait_for(proc.wait(), WAIT_S) == 0
+
+        # a line per step: the 7-token prompt's step(s), then one decode step per token after the first
+        trace = tmp_path / "steps" / f"colo-p-{proc.pid}.jsonl"
+        records = step_trace.read_records(trace)
+        decode = [r for r in records if r.decode_only]
+        assert sum(r.tokens for r in records) == 7 + 4 and len(decode) == 4
+        assert [r.context_tokens for r in decode] == [8, 9, 10, 11] and all(r.sequences == 1 for r in records)
+        assert all(r.seconds > 0 and r.after_s >= 0 for r in records)
+        assert records == sorted(records, key=lambda r: r.started_at)
+        summary = step_trace.summarize(records)
+        assert summary[0] == f"{len(records)} steps, 4 decode-only" and summary[-1].startswith(
+            "batch   1:      4 steps"
+        )
     finally:
         if proc.returncode is None:
             proc.kill()
