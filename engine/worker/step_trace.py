@@ -6,7 +6,7 @@ and not by batch size. The trace has both, step by step, so a tail can be traced
 (docs/performance.md reads it):
 
     splitserve decode ... --step-trace-dir /tmp/steps        # or SPLITSERVE_STEP_TRACE_DIR for a bench
-    python -m engine.worker.step_trace /tmp/steps/*.jsonl     # step time by batch size, gaps
+    python -m engine.worker.step_trace /tmp/steps/decode-*.jsonl [--beside /tmp/steps/prefill-*.jsonl]
 
 Each process appends to ``<dir>/<worker id>-<pid>.jsonl`` (a benchmark's clusters reuse worker ids).
 The `StepLoop` writes; the worker process opens the trace before its loop starts and closes it after.
@@ -15,6 +15,7 @@ The `StepLoop` writes; the worker process opens the trace before its loop starts
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import os
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import IO
 
 IDLE_GAP_S = 0.2  # a longer gap between two steps is the loop waiting for work, not overhead
+MAX_STEP_S = 10.0  # no step is longer: how far back `overlapped` looks
 
 
 @dataclass(slots=True)
@@ -75,9 +77,29 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(records: list[StepRecord]) -> list[str]:
-    """Lines of a summary: decode-only steps' time by batch size (p50/p90/p99, ms), and the gap from
-    a step's end to the next step's start while work was queued (the event loop's share of an ITL)."""
+def overlapped(record: StepRecord, beside: list[StepRecord]) -> bool:
+    """Whether steps in `beside` (another worker's, sorted by start) ran for more than half of `record`."""
+    end = record.started_at + record.seconds
+    last = bisect.bisect_left(beside, end, key=lambda r: r.started_at)
+    covered = 0.0
+    for other in reversed(beside[:last]):
+        if other.started_at + other.seconds + MAX_STEP_S < record.started_at:
+            break  # every earlier step ended before this one started
+        covered += max(
+            0.0, min(end, other.started_at + other.seconds) - max(record.started_at, other.started_at)
+        )
+    return covered > record.seconds / 2
+
+
+def _percentiles(ms: list[float]) -> str:
+    return f"p50 {_quantile(ms, 0.5):6.1f} p90 {_quantile(ms, 0.9):6.1f} p99 {_quantile(ms, 0.99):6.1f}"
+
+
+def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None) -> list[str]:
+    """Lines of a summary: decode-only steps' time by batch size (ms), and the gap from a step's end to
+    the next step's start while work was queued (the event loop's share of an ITL). With `beside`
+    (another worker's steps, e.g. the prefill worker's on the next core), each batch size's steps
+    are also split by whether one of those overlapped more than half of them."""
     decode = [r for r in records if r.decode_only]
     lines = [f"{len(records)} steps, {len(decode)} decode-only"]
     gaps = [
@@ -90,23 +112,38 @@ def summarize(records: list[StepRecord]) -> list[str]:
             f"gap between steps ms: p50 {_quantile(gaps, 0.5):.2f} p99 {_quantile(gaps, 0.99):.2f} "
             f"mean {statistics.fmean(gaps):.2f}"
         )
+    others = sorted(beside or [], key=lambda r: r.started_at)
     for size in sorted({r.sequences for r in decode}):
-        ms = [r.seconds * 1e3 for r in decode if r.sequences == size]
-        context = statistics.fmean(r.context_tokens for r in decode if r.sequences == size)
-        lines.append(
-            f"batch {size:3d}: {len(ms):6d} steps, step ms p50 {_quantile(ms, 0.5):6.1f} "
-            f"p90 {_quantile(ms, 0.9):6.1f} p99 {_quantile(ms, 0.99):6.1f}, mean context {context:7.0f}"
-        )
+        steps = [r for r in decode if r.sequences == size]
+        context = statistics.fmean(r.context_tokens for r in steps)
+        line = f"batch {size:3d}: {len(steps):6d} steps, ms {_percentiles([r.seconds * 1e3 for r in steps])}"
+        line += f", mean context {context:7.0f}"
+        if beside is not None:
+            split: dict[bool, list[float]] = {True: [], False: []}
+            for r in steps:
+                split[overlapped(r, others)].append(r.seconds * 1e3)
+            for busy, label in ((True, "beside a step"), (False, "alone")):
+                if split[busy]:
+                    line += f"; {label} ({len(split[busy])}) {_percentiles(split[busy])}"
+        lines.append(line)
     return lines
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Summarize step traces (--step-trace-dir files)")
     parser.add_argument("traces", nargs="+", help="<worker id>-<pid>.jsonl files")
+    parser.add_argument(
+        "--beside",
+        nargs="+",
+        default=None,
+        help="other workers' traces (e.g. the prefill workers on the next core): split each batch "
+        "size's steps by whether one of theirs overlapped more than half of it",
+    )
     args = parser.parse_args(argv)
+    beside = [r for path in args.beside for r in read_records(path)] if args.beside else None
     for path in args.traces:
         print(path)
-        for line in summarize(read_records(path)):
+        for line in summarize(read_records(path), beside):
             print("  " + line)
     return 0
 
