@@ -51,7 +51,8 @@ class Worker:
     roles) sets the engine's policy through `engine_config` and handles the request messages. Tests
     build several in one process (each has its own engine, sockets, registry and threads). `leases`
     (`core_leases(settings)`, built by the process entry before the model loads) pass to the step
-    loop, which owns and closes them.
+    loop, which owns and closes them. `step_trace` (`--step-trace-dir`, opened by the process entry
+    before the model loads) is written by the step loop and closed by `close()`.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class Worker:
         loaded: LoadedModel,
         role_class: type[WorkerRole],
         leases: CoreLeases | None = None,
+        step_trace: StepTrace | None = None,
     ) -> None:
         self.settings = settings
         self.role_class = role_class
@@ -220,13 +222,20 @@ async def _main(settings: WorkerSettings, role_class: type[WorkerRole]) -> int:
     except ValueError as exc:
         log.error("bad core lease settings", error=str(exc))
         return 2
+    try:  # before the model too: a directory this process cannot write fails in a second
+        step_trace = (
+            StepTrace(settings.step_trace_dir, settings.worker_id) if settings.step_trace_dir else None
+        )
+    except OSError as exc:
+        log.error("cannot write the step trace", directory=settings.step_trace_dir, error=str(exc))
+        return 2
     cfg = settings.engine
     announce("preparing the model")
     model_dir = await asyncio.to_thread(resolve_model_dir, settings.model, announce)
     announce(f"loading {model_dir.name}")
     loaded = await asyncio.to_thread(load_model, model_dir, dtype=cfg.torch_dtype, device=cfg.device)
     announce("allocating the KV cache, loading kernels")  # the engine's runner loads the CPU kernels
-    worker = Worker(settings, loaded, role_class, leases)
+    worker = Worker(settings, loaded, role_class, leases, step_trace)
     announce("registering with the coordinator")
     try:
         info = await worker.start()

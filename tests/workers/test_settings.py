@@ -96,6 +96,28 @@ def test_a_bad_core_lease_setting_fails_before_the_model_loads(tmp_path: Path) -
     assert "no-model" not in out.stderr  # it never got as far as the model
 
 
+def test_an_unwritable_step_trace_directory_fails_before_the_model_loads(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    args = ["--model", str(tmp_path / "no-model"), "--coordinator", "127.0.0.1:1", "--insecure-control-plane"]
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "splitserve.cli",
+            "decode",
+            *args,
+            "--step-trace-dir",
+            str(tmp_path / "a-file" / "steps"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "cannot write the step trace" in out.stderr and "a-file" in out.stderr
+    assert "no-model" not in out.stderr and "Traceback" not in out.stderr
+
+
 def test_short_prompts_whole_needs_a_threshold(tmp_path: Path) -> None:
     """`--short-prompts-whole` says what a short prompt is only with `--long-prefill-token-threshold`:
     alone it is refused before anything starts, naming the flag to add; with it, it reaches the engine."""
