@@ -166,8 +166,12 @@ class StepLoop:
         await self._notify(self.handler.on_scheduled(out.scheduled))
         if borrowed:
             self.metrics.borrowed_core_steps.inc()
-        # keys the step's attention reads, counted before finish_step advances the sequences
-        context = sum(item.seq.num_computed_tokens + item.num_new_tokens for item in out.scheduled)
+        # traced: the keys the step's attention reads, counted before finish_step advances the sequences
+        context = (
+            sum(i.seq.num_computed_tokens + i.num_new_tokens for i in out.scheduled)
+            if self.trace is not None
+            else 0
+        )
         started_at = time.time()
         start = time.perf_counter()
         try:
