@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
+from splitserve.stats import dist, percentile
+
 IDLE_GAP_S = 0.2  # a longer gap between two steps is the loop waiting for work, not overhead
 MAX_STEP_S = 10.0  # no step is longer: how far back `overlapped` looks
 
@@ -72,19 +74,14 @@ def read_records(path: str | Path) -> list[StepRecord]:
         return [StepRecord(**json.loads(line)) for line in f if line.strip()]
 
 
-def _quantile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def overlapped(record: StepRecord, beside: list[StepRecord]) -> bool:
     """Whether steps in `beside` (another worker's, sorted by start) ran for more than half of `record`."""
     end = record.started_at + record.seconds
-    last = bisect.bisect_left(beside, end, key=lambda r: r.started_at)
     covered = 0.0
-    for other in reversed(beside[:last]):
-        if other.started_at + other.seconds + MAX_STEP_S < record.started_at:
-            break  # every earlier step ended before this one started
+    for i in reversed(range(bisect.bisect_left(beside, end, key=lambda r: r.started_at))):
+        other = beside[i]
+        if other.started_at + MAX_STEP_S < record.started_at:
+            break  # this step and every earlier one ended before `record` started
         covered += max(
             0.0, min(end, other.started_at + other.seconds) - max(record.started_at, other.started_at)
         )
@@ -92,7 +89,7 @@ def overlapped(record: StepRecord, beside: list[StepRecord]) -> bool:
 
 
 def _percentiles(ms: list[float]) -> str:
-    return f"p50 {_quantile(ms, 0.5):6.1f} p90 {_quantile(ms, 0.9):6.1f} p99 {_quantile(ms, 0.99):6.1f}"
+    return " ".join(f"{name} {value:6.1f}" for name, value in dist(ms).items())
 
 
 def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None) -> list[str]:
@@ -109,7 +106,7 @@ def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None)
     ]
     if gaps:
         lines.append(
-            f"gap between steps ms: p50 {_quantile(gaps, 0.5):.2f} p99 {_quantile(gaps, 0.99):.2f} "
+            f"gap between steps ms: p50 {percentile(gaps, 50):.2f} p99 {percentile(gaps, 99):.2f} "
             f"mean {statistics.fmean(gaps):.2f}"
         )
     others = sorted(beside or [], key=lambda r: r.started_at)

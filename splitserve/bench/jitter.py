@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtransfer.bench.control import dying_with_parent
-from splitserve.bench.metrics import dist
+from splitserve.stats import dist
 
 FIXED_WORK_CODE = """
 import json, os, sys, time

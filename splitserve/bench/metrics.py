@@ -8,27 +8,15 @@ too (so one lucky rate past a collapse does not count).
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
 from splitserve.bench.load import TIMING_FIELDS, RequestTrace
+from splitserve.stats import dist
 
 GOODPUT_TARGET = 0.9
-
-
-def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
-
-
-def dist(values: list[float]) -> dict[str, float]:
-    return {f"p{q}": percentile(values, q) for q in (50, 90, 99)}
 
 
 @dataclass(frozen=True, slots=True)
