@@ -71,9 +71,7 @@ class Worker:
             self.metrics.kv_cache_huge_page_share.set(share)
         staging_pool = staging.pool_for(self.engine.runner.kv_cache)
         self.metrics.kv_staging_idle_bytes.set_function(lambda: staging_pool.idle_bytes)
-        self.step_trace = (
-            StepTrace(settings.step_trace_dir, settings.worker_id) if settings.step_trace_dir else None
-        )
+        self.step_trace = step_trace
         self.stepper = StepLoop(
             self.engine, self.metrics, leases, net_of_waits=settings.idle_priority, trace=self.step_trace
         )

@@ -73,13 +73,17 @@ async def test_colocated_process_serves_reports_and_drains(model_dir: Path, tmp_
         assert share is not None and 0.0 <= float(share.group(1)) <= 1.0
         assert re.search(r"^splitserve_worker_kv_staging_idle_bytes 0\.0$", text, re.M)  # nothing pushed
 
+        # the trace the process entry opened is the one the worker writes: one open file, not two
+        trace = tmp_path / "steps" / f"colo-p-{proc.pid}.jsonl"
+        fds = Path(f"/proc/{proc.pid}/fd")
+        assert [os.readlink(fds / fd) for fd in os.listdir(fds)].count(str(trace)) == 1
+
         proc.send_signal(signal.SIGTERM)
         _, env = await coord.expect("deregister")
         assert env.deregister.worker_id == "colo-p"
         assert await asyncio.wait_for(proc.wait(), WAIT_S) == 0
 
         # a line per step: the 7-token prompt's step(s), then one decode step per token after the first
-        trace = tmp_path / "steps" / f"colo-p-{proc.pid}.jsonl"
         records = step_trace.read_records(trace)
         decode = [r for r in records if r.decode_only]
         assert sum(r.tokens for r in records) == 7 + 4 and len(decode) == 4
