@@ -16,6 +16,7 @@ import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -46,20 +47,34 @@ class LoadedModel:
 
     `weights` uses Hugging Face parameter names (`model.layers.0.self_attn.q_proj.weight`, ...) exactly
     as `config.parameter_shapes()` lists them: `lm_head.weight` is absent when embeddings are tied.
+    The tokenizer is read from `model_dir` on first use: serving workers never tokenize (the
+    coordinator does), and transformers' AutoTokenizer costs a worker ~3 s of imports at start.
     """
 
     config: ModelConfig
     weights: dict[str, torch.Tensor]
-    tokenizer: Any  # transformers PreTrainedTokenizerFast
-    chat_template: str | None
     identity: str
     model_dir: Path
+
+    @cached_property
+    def tokenizer(self) -> Any:
+        """transformers' tokenizer for the checkpoint (a PreTrainedTokenizerFast)."""
+        return load_tokenizer(self.model_dir)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's default chat template, None where it has none."""
+        template = self.tokenizer.chat_template
+        if isinstance(template, dict):  # named templates: the engine serves the default one
+            return template.get("default")
+        return template
 
 
 def load_model(
     model_dir: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> LoadedModel:
-    """Load config, weights (floating tensors cast to `dtype`, all moved to `device`) and tokenizer.
+    """Load config and weights (floating tensors cast to `dtype`, all moved to `device`); the
+    tokenizer loads on first use (`LoadedModel.tokenizer`).
 
     Each safetensors file is read once; the identity is hashed from those same bytes.
     Raises FileNotFoundError for missing files and ValueError for an unsupported or inconsistent
@@ -82,13 +97,9 @@ def load_model(
     for name in list(raw):
         tensor = raw.pop(name)
         weights[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
-    tokenizer = load_tokenizer(model_dir)
-    template = tokenizer.chat_template
-    if isinstance(template, dict):  # named templates: the engine serves the default one
-        template = template.get("default")
     identity = hasher.hexdigest()
     log.info("model loaded", model_dir=str(model_dir), architecture=config.architecture, identity=identity)
-    return LoadedModel(config, weights, tokenizer, template, identity, model_dir)
+    return LoadedModel(config, weights, identity, model_dir)
 
 
 def load_config(model_dir: str | Path) -> ModelConfig:

@@ -319,3 +319,26 @@ def test_wrong_tensors_are_named(tiny_model_dir: Callable[[str], Path], tmp_path
     (model_dir / "config.json").write_text(json.dumps(config | {"architectures": ["FalconForCausalLM"]}))
     with pytest.raises(ValueError, match=r"config\.json: unsupported architecture \['FalconForCausalLM'\]"):
         load_model(model_dir)
+
+
+def test_a_serving_engine_loads_without_transformers(tiny_model_dir: Callable[[str], Path]) -> None:
+    """Workers never tokenize (the coordinator does): their modules, loading the checkpoint and
+    building the engine must not import transformers (its AutoTokenizer costs a worker ~3 s at start); the tokenizer
+    loads on first use and is the checkpoint's."""
+    probe = (
+        "import sys\n"
+        "import decode.worker, engine.worker.process, prefill.worker\n"
+        "from engine.config import EngineConfig\n"
+        "from engine.llm_engine import LLMEngine\n"
+        "from engine.loader import load_model\n"
+        f"loaded = load_model({str(tiny_model_dir('llama-2l'))!r})\n"
+        "LLMEngine(loaded, EngineConfig(num_blocks=8))\n"
+        "print('PROBE', 'transformers' in sys.modules)\n"
+        "print('PROBE', len(loaded.tokenizer), 'transformers' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    before, after = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
+    assert before == "PROBE False"
+    assert after == f"PROBE {SHAPES['llama-2l'].vocab_size} True"
