@@ -7,11 +7,14 @@ import math
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Nearest-rank percentile; NaN for no values."""
+    """Nearest-rank percentile: the smallest value with at least `q`% of the values at or below it;
+    NaN for no values."""
     if not values:
         return float("nan")
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+    # rounded first: 99.9 / 100 * 1000 is 999.0000000000001 in floating point, whose ceiling skips a rank
+    rank = math.ceil(round(q * len(ordered) / 100, 9))
+    return ordered[min(len(ordered) - 1, max(0, rank - 1))]
 
 
 def dist(values: list[float]) -> dict[str, float]:

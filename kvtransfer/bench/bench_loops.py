@@ -22,6 +22,7 @@ import torch
 
 from kernels import host_memory
 from kvtransfer.transport import Peer, PostedRecv, Transport
+from splitserve.stats import percentile
 
 LLC_FALLBACK_BYTES = 32 << 20
 MAX_POSTED = 64
@@ -85,12 +86,10 @@ def ring_checksums(ring: list[torch.Tensor], used: int) -> list[int]:
 
 
 def percentiles_us(samples: list[float]) -> dict[str, float]:
-    ordered = sorted(samples)
-
-    def at(q: float) -> float:
-        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6
-
-    return {"p50_us": at(0.5), "p99_us": at(0.99), "p999_us": at(0.999)}
+    """p50, p99 and p99.9 of `samples` (seconds) in microseconds, nearest rank (splitserve.stats)."""
+    return {
+        f"p{name}_us": percentile(samples, q) * 1e6 for name, q in (("50", 50), ("99", 99), ("999", 99.9))
+    }
 
 
 def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None, device: str = "cpu") -> float:
