@@ -28,14 +28,16 @@ from splitserve.stats import dist, percentile
 
 IDLE_GAP_S = 0.2  # a longer gap between two steps is the loop waiting for work, not overhead
 MAX_STEP_S = 10.0  # no step is longer: how far back `overlapped` looks
+WAITED_MS = 1.0  # a step whose thread waited longer for a CPU is counted in the summary
 
 
 @dataclass(slots=True)
 class StepRecord:
     """One step. ``started_at``: Unix seconds as the forward was posted; ``seconds``: the forward's
     wall time (as the step-time histogram sees it); ``run_queue_wait_s``: the step thread's wait for a
-    CPU meanwhile (0 unless the worker measures it); ``after_s``: finishing the step and the role's
-    reaction to it (token messages, releases) on the event loop."""
+    CPU meanwhile (runnable, another thread or process on its CPU: its own event loop, a neighbour;
+    not its OpenMP team's other threads; 0 where the kernel has no schedstat); ``after_s``: finishing
+    the step and the role's reaction to it (token messages, releases) on the event loop."""
 
     started_at: float
     sequences: int
@@ -93,8 +95,9 @@ def _percentiles(ms: list[float]) -> str:
 
 
 def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None) -> list[str]:
-    """Lines of a summary: decode-only steps' time by batch size (ms), and the gap from a step's end to
-    the next step's start while work was queued (the event loop's share of an ITL). With `beside`
+    """Lines of a summary: decode-only steps' time by batch size (ms), the gap from a step's end to
+    the next step's start while work was queued (the event loop's share of an ITL), and the step
+    thread's run-queue wait (its CPU taken by another thread or process mid-step). With `beside`
     (another worker's steps, e.g. the prefill worker's on the next core), each batch size's steps
     are also split by whether one of those overlapped more than half of them."""
     decode = [r for r in records if r.decode_only]
@@ -108,6 +111,12 @@ def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None)
         lines.append(
             f"gap between steps ms: p50 {percentile(gaps, 50):.2f} p99 {percentile(gaps, 99):.2f} "
             f"mean {statistics.fmean(gaps):.2f}"
+        )
+    if decode:
+        waits = [r.run_queue_wait_s * 1e3 for r in decode]
+        over = sum(w > WAITED_MS for w in waits)
+        lines.append(
+            f"run-queue wait ms, decode-only: {_percentiles(waits)}; over {WAITED_MS:g} ms in {over}"
         )
     others = sorted(beside or [], key=lambda r: r.started_at)
     for size in sorted({r.sequences for r in decode}):

@@ -83,7 +83,8 @@ class StepHandler(Protocol):
 class StepLoop:
     """Runs `engine`'s steps until `stop()`. Created and driven by the worker; one per engine.
     `net_of_waits`: fit the step costs to each forward's time less its run-queue wait (module doc).
-    `trace`: a line per step there (the worker opens and closes it)."""
+    `trace`: a line per step there, the step thread's run-queue wait included (the worker opens and
+    closes it)."""
 
     def __init__(
         self,
@@ -185,7 +186,8 @@ class StepLoop:
         finally:
             self._give_back()
         seconds = time.perf_counter() - start
-        outputs = self.engine.finish_step(out, result, seconds - waited, widened=bool(borrowed))
+        cost_seconds = seconds - waited if self.net_of_waits else seconds
+        outputs = self.engine.finish_step(out, result, cost_seconds, widened=bool(borrowed))
         self._end_step()
         self._account(out, seconds)
         await self._notify(self.handler.on_step(StepReport(out, outputs, seconds)))
@@ -221,8 +223,10 @@ class StepLoop:
 
     def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> tuple[StepResult, float]:
         """On the step thread: the forward, on a team widened onto `borrowed` for this step only, and
-        the seconds this thread waited for a CPU during it (0 unless `net_of_waits`)."""
-        before = run_queue_wait_s() if self.net_of_waits else 0.0
+        the seconds this thread waited for a CPU during it (measured for `net_of_waits` and the
+        trace, else 0)."""
+        measured = self.net_of_waits or self.trace is not None
+        before = run_queue_wait_s() if measured else 0.0
         if not borrowed:
             result = self.engine.execute(out)
         else:
@@ -232,7 +236,7 @@ class StepLoop:
                 result = self.engine.execute(out)
             finally:
                 self.leases.narrow()
-        return result, run_queue_wait_s() - before if self.net_of_waits else 0.0
+        return result, run_queue_wait_s() - before if measured else 0.0
 
     async def _notify(self, call: Awaitable[None]) -> None:
         """Run a handler callback; its bug is logged, not fatal: the engine's state is already whole."""
