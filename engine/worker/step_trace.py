@@ -29,6 +29,7 @@ from splitserve.stats import dist, percentile
 IDLE_GAP_S = 0.2  # a longer gap between two steps is the loop waiting for work, not overhead
 MAX_STEP_S = 10.0  # no step is longer: how far back `overlapped` looks
 WAITED_MS = 1.0  # a step whose thread waited longer for a CPU is counted in the summary
+CPU_FIELDS = (("step thread", "step_cpu_s"), ("event loop", "loop_cpu_s"), ("other threads", "other_cpu_s"))
 
 
 @dataclass(slots=True)
@@ -37,7 +38,12 @@ class StepRecord:
     wall time (as the step-time histogram sees it); ``run_queue_wait_s``: the step thread's wait for a
     CPU meanwhile (runnable, another thread or process on its CPU: its own event loop, a neighbour;
     not its OpenMP team's other threads; 0 where the kernel has no schedstat); ``after_s``: finishing
-    the step and the role's reaction to it (token messages, releases) on the event loop."""
+    the step and the role's reaction to it (token messages, releases) on the event loop. CPU seconds
+    while the forward ran: ``step_cpu_s`` the step thread's (a forward slowed by a neighbour's use of
+    the caches and memory takes more), ``loop_cpu_s`` the event loop's (messages, KV pulls: on a
+    one-CPU worker, time taken from the step), ``other_cpu_s`` every other thread's (transport
+    progress, sockets, the step's OpenMP team beyond its first thread); 0 in traces from before
+    they were recorded."""
 
     started_at: float
     sequences: int
@@ -46,6 +52,9 @@ class StepRecord:
     seconds: float
     run_queue_wait_s: float
     after_s: float
+    step_cpu_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    other_cpu_s: float = 0.0
 
     @property
     def decode_only(self) -> bool:
@@ -96,8 +105,9 @@ def _percentiles(ms: list[float]) -> str:
 
 def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None) -> list[str]:
     """Lines of a summary: decode-only steps' time by batch size (ms), the gap from a step's end to
-    the next step's start while work was queued (the event loop's share of an ITL), and the step
-    thread's run-queue wait (its CPU taken by another thread or process mid-step). With `beside`
+    the next step's start while work was queued (the event loop's share of an ITL), the step
+    thread's run-queue wait (its CPU taken by another thread or process mid-step), and the CPU time
+    of the step thread, the event loop and the other threads during the steps. With `beside`
     (another worker's steps, e.g. the prefill worker's on the next core), each batch size's steps
     are also split by whether one of those overlapped more than half of them."""
     decode = [r for r in records if r.decode_only]
@@ -118,6 +128,10 @@ def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None)
         lines.append(
             f"run-queue wait ms, decode-only: {_percentiles(waits)}; over {WAITED_MS:g} ms in {over}"
         )
+        for label, field in CPU_FIELDS:
+            lines.append(
+                f"{label} CPU ms, decode-only: {_percentiles([getattr(r, field) * 1e3 for r in decode])}"
+            )
     others = sorted(beside or [], key=lambda r: r.started_at)
     for size in sorted({r.sequences for r in decode}):
         steps = [r for r in decode if r.sequences == size]

@@ -60,6 +60,15 @@ def run_queue_wait_s() -> float:
 
 
 @dataclass(slots=True)
+class ForwardTimes:
+    """The step thread's own view of one forward (0 where not measured): how long it waited for a
+    CPU while runnable, and the CPU time it ran (its OpenMP team's other threads not included)."""
+
+    waited_s: float = 0.0
+    cpu_s: float = 0.0
+
+
+@dataclass(slots=True)
 class StepReport:
     """What one step did: its schedule, the engine's outputs, and the forward's wall time."""
 
@@ -174,10 +183,13 @@ class StepLoop:
             else 0
         )
         started_at = time.time()
+        loop_cpu, process_cpu = (
+            (time.thread_time(), time.process_time()) if self.trace is not None else (0, 0)
+        )
         start = time.perf_counter()
         try:
             # protects an invariant: one forward at a time over the KV cache; the loop stays responsive
-            result, waited = await loop.run_in_executor(self._executor, self._execute, out, borrowed)
+            result, forward = await loop.run_in_executor(self._executor, self._execute, out, borrowed)
         except Exception as exc:
             log.exception("model step failed", sequences=len(out.scheduled))
             self._end_step()
@@ -186,7 +198,9 @@ class StepLoop:
         finally:
             self._give_back()
         seconds = time.perf_counter() - start
-        cost_seconds = seconds - waited if self.net_of_waits else seconds
+        if self.trace is not None:  # this (the loop's) thread's CPU and every thread's, while the forward ran
+            loop_cpu, process_cpu = time.thread_time() - loop_cpu, time.process_time() - process_cpu
+        cost_seconds = seconds - forward.waited_s if self.net_of_waits else seconds
         outputs = self.engine.finish_step(out, result, cost_seconds, widened=bool(borrowed))
         self._end_step()
         self._account(out, seconds)
@@ -199,8 +213,11 @@ class StepLoop:
                     tokens=out.num_tokens,
                     context_tokens=context,
                     seconds=seconds,
-                    run_queue_wait_s=waited,
+                    run_queue_wait_s=forward.waited_s,
                     after_s=time.perf_counter() - start - seconds,
+                    step_cpu_s=forward.cpu_s,
+                    loop_cpu_s=loop_cpu,
+                    other_cpu_s=max(0.0, process_cpu - loop_cpu - forward.cpu_s),
                 )
             )
 
@@ -221,12 +238,12 @@ class StepLoop:
             self.leases.give_back()
         return []
 
-    def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> tuple[StepResult, float]:
+    def _execute(self, out: SchedulerOutput, borrowed: list[int]) -> tuple[StepResult, ForwardTimes]:
         """On the step thread: the forward, on a team widened onto `borrowed` for this step only, and
-        the seconds this thread waited for a CPU during it (measured for `net_of_waits` and the
-        trace, else 0)."""
+        this thread's wait for a CPU and CPU time during it (measured for `net_of_waits` and the
+        trace)."""
         measured = self.net_of_waits or self.trace is not None
-        before = run_queue_wait_s() if measured else 0.0
+        waited, cpu = (run_queue_wait_s(), time.thread_time()) if measured else (0.0, 0.0)
         if not borrowed:
             result = self.engine.execute(out)
         else:
@@ -236,7 +253,9 @@ class StepLoop:
                 result = self.engine.execute(out)
             finally:
                 self.leases.narrow()
-        return result, run_queue_wait_s() - before if measured else 0.0
+        if not measured:
+            return result, ForwardTimes()
+        return result, ForwardTimes(run_queue_wait_s() - waited, time.thread_time() - cpu)
 
     async def _notify(self, call: Awaitable[None]) -> None:
         """Run a handler callback; its bug is logged, not fatal: the engine's state is already whole."""

@@ -60,9 +60,11 @@ def test_summary_by_batch_gap_and_overlap(tmp_path: Path, capsys: pytest.Capture
     assert lines[0] == "5 steps, 5 decode-only"
     assert lines[1].startswith("gap between steps ms: p50 2.00 p99 2.00")  # the idle second is no gap
     assert lines[2] == "run-queue wait ms, decode-only: p50    0.0 p90    2.5 p99    2.5; over 1 ms in 1"
-    assert lines[3].startswith("batch   1:      4 steps, ms p50   10.0")
-    assert "; beside a step (2) p50   10.0" in lines[3] and "; alone (2) p50   10.0" in lines[3]
-    assert lines[4].startswith("batch   2:      1 steps, ms p50   20.0") and "beside" not in lines[4]
+    assert lines[3] == "step thread CPU ms, decode-only: p50    0.0 p90    0.0 p99    0.0"  # not recorded
+    assert [line.split(" CPU")[0] for line in lines[3:6]] == ["step thread", "event loop", "other threads"]
+    assert lines[6].startswith("batch   1:      4 steps, ms p50   10.0")
+    assert "; beside a step (2) p50   10.0" in lines[6] and "; alone (2) p50   10.0" in lines[6]
+    assert lines[7].startswith("batch   2:      1 steps, ms p50   20.0") and "beside" not in lines[7]
 
     prefill_trace = StepTrace(tmp_path, "prefill-0")
     for record in prefill:
@@ -98,7 +100,7 @@ async def test_the_loop_records_each_steps_run_queue_wait(
 ) -> None:
     """With the trace on, every step's record has its step thread's run-queue wait, also where the
     step costs do not net waits out (a decode worker's): the schedstat counter here advances 4 ms a
-    read."""
+    read. And the CPU the step thread, the loop and the rest of the process spent meanwhile."""
     reads = itertools.count()
     monkeypatch.setattr(stepper, "run_queue_wait_s", lambda: 0.004 * next(reads))
     engine = LLMEngine.from_model_dir(tiny_model_dir("llama-2l"), EngineConfig(num_blocks=16))
@@ -115,3 +117,6 @@ async def test_the_loop_records_each_steps_run_queue_wait(
     records = step_trace.read_records(trace.path)
     assert [r.tokens for r in records] == [4, 1, 1]
     assert [r.run_queue_wait_s for r in records] == pytest.approx([0.004] * 3)
+    # the forward's own CPU time: above 0, within the step's wall
+    assert all(0 < r.step_cpu_s <= r.seconds + 0.001 for r in records)
+    assert all(r.loop_cpu_s >= 0 and r.other_cpu_s >= 0 for r in records)
