@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import structlog
@@ -69,22 +69,29 @@ class RoleHandler(Protocol):
 
 
 class PrefixEvents:
-    """Turns the pool's set of cached hashes into Heartbeat.prefix_cache deltas (first 8 bytes, LE)."""
+    """Heartbeat.prefix_cache deltas (hashes' first 8 bytes, LE): the whole cache in the first
+    (`cleared`), then what the pool stored and removed since the one before. The pool records its
+    changes from the first call on, so a heartbeat costs what changed, never the pool's size."""
 
     def __init__(self, pool: BlockPool) -> None:
         self.pool = pool
-        self._known: set[int] | None = None
+        self._started = False
 
     def next(self) -> control_pb2.PrefixCacheEvents:
-        current = {int.from_bytes(h[:8], "little") for h in self.pool.cached_hashes()}
-        if self._known is None:
-            self._known = current
-            return control_pb2.PrefixCacheEvents(cleared=True, stored=wire.pack_hashes(sorted(current)))
-        stored, removed = current - self._known, self._known - current
-        self._known = current
+        if not self._started:
+            self._started = True
+            self.pool.track_cache_events()
+            current = _keys(self.pool.cached_hashes())
+            return control_pb2.PrefixCacheEvents(cleared=True, stored=wire.pack_hashes(current))
+        events = self.pool.drain_cache_events()
         return control_pb2.PrefixCacheEvents(
-            stored=wire.pack_hashes(sorted(stored)), removed=wire.pack_hashes(sorted(removed))
+            stored=wire.pack_hashes(_keys(events.stored)), removed=wire.pack_hashes(_keys(events.removed))
         )
+
+
+def _keys(hashes: Iterable[bytes]) -> list[int]:
+    """The prefix-cache keys the router indexes (first 8 bytes, little-endian), sorted."""
+    return sorted(int.from_bytes(h[:8], "little") for h in hashes)
 
 
 class WorkerControl:

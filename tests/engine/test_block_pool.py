@@ -121,20 +121,25 @@ def test_reset_prefix_cache_keeps_held_blocks() -> None:
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_randomized_allocate_free_share_keeps_integrity(seed: int) -> None:
+    """Random allocations, frees, shares, cache hits revived, cache registrations and resets: the
+    pool stays whole (its free-cached count included), and a consumer that takes a snapshot when
+    tracking starts and applies every drain of stored/removed hashes always agrees with the cache."""
     rng = random.Random(seed)
     pool = BlockPool(rng.randint(1, 24), rng.choice([1, 2, 4]))
     held: list[list[int]] = []  # each entry: one owner's references
     parents: list[bytes] = []
+    tokens_of: dict[bytes, list[int]] = {}
+    view: set[bytes] | None = None  # the consumer's copy of the cache, from when tracking starts
     for _ in range(80):
         op = rng.random()
-        if op < 0.4:
+        if op < 0.35:
             got = pool.allocate(rng.randint(0, 5))
             if got is not None:
                 held.append(got)
-        elif op < 0.6 and held:
+        elif op < 0.55 and held:
             owner = held.pop(rng.randrange(len(held)))
             pool.free(owner)
-        elif op < 0.75 and held:
+        elif op < 0.7 and held:
             owner = rng.choice(held)
             block_id = rng.choice(owner) if owner else None
             if block_id is not None:
@@ -143,16 +148,53 @@ def test_randomized_allocate_free_share_keeps_integrity(seed: int) -> None:
                 h = hash_block(parent, tokens, "m")
                 pool.cache_block(block_id, h, tokens)
                 parents.append(h)
-        elif op < 0.9 and held:
+                tokens_of.setdefault(h, tokens)
+        elif op < 0.8 and held:
             owner = rng.choice(held)
             pool.touch(owner)
             held.append(list(owner))
+        elif op < 0.9 and parents:  # a prefix-cache hit, possibly on a free block: revive it
+            h = rng.choice(parents)
+            hit = pool.lookup([h], [tokens_of[h]])
+            if hit:
+                pool.touch(hit)
+                held.append(hit)
+        elif op < 0.92:
+            pool.reset_prefix_cache()
+        if view is None and rng.random() < 0.2:
+            pool.track_cache_events()
+            view = set(pool.cached_hashes())
+        elif view is not None and rng.random() < 0.3:
+            events = pool.drain_cache_events()
+            assert not events.stored & events.removed
+            assert not events.stored & view and events.removed <= view
+            view = (view - events.removed) | events.stored
+            assert view == set(pool.cached_hashes())
         pool.check_integrity()
         assert pool.num_held_blocks == len({b for owner in held for b in owner})
+        free_cached = sum(
+            1 for h in pool.cached_hashes() if pool.ref_count(pool.lookup([h], [tokens_of[h]])[0]) == 0
+        )
+        assert pool.stats()["cached_free"] == free_cached
     for owner in held:
         pool.free(owner)
     pool.check_integrity()
     assert pool.num_free_blocks == pool.num_blocks
+
+
+def test_cache_events_need_tracking_and_net_out() -> None:
+    pool = BlockPool(4, 2)
+    with pytest.raises(RuntimeError, match="track_cache_events"):
+        pool.drain_cache_events()
+    pool.track_cache_events()
+    ids = pool.allocate(2)
+    assert ids is not None
+    first, second = _cached(pool, ids)
+    pool.free(ids)
+    assert pool.allocate(4) is not None  # evicts both: stored and removed since the last drain
+    events = pool.drain_cache_events()
+    assert events.stored == set() and events.removed == set()
+    assert first != second
 
 
 def test_allocation_brings_free_successors_along_so_ids_are_consecutive() -> None:
