@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
-from splitserve.stats import dist, percentile
+from splitserve.stats import dist, percentiles
 
 IDLE_GAP_S = 0.2  # a longer gap between two steps is the loop waiting for work, not overhead
 MAX_STEP_S = 10.0  # no step is longer: how far back `overlapped` looks
@@ -118,10 +118,8 @@ def summarize(records: list[StepRecord], beside: list[StepRecord] | None = None)
         if 0 <= b.started_at - a.started_at - a.seconds < IDLE_GAP_S
     ]
     if gaps:
-        lines.append(
-            f"gap between steps ms: p50 {percentile(gaps, 50):.2f} p99 {percentile(gaps, 99):.2f} "
-            f"mean {statistics.fmean(gaps):.2f}"
-        )
+        p50, p99 = percentiles(gaps, (50, 99))
+        lines.append(f"gap between steps ms: p50 {p50:.2f} p99 {p99:.2f} mean {statistics.fmean(gaps):.2f}")
     if decode:
         waits = [r.run_queue_wait_s * 1e3 for r in decode]
         over = sum(w > WAITED_MS for w in waits)

@@ -22,7 +22,7 @@ import torch
 
 from kernels import host_memory
 from kvtransfer.transport import Peer, PostedRecv, Transport
-from splitserve.stats import percentile
+from splitserve.stats import percentiles
 
 LLC_FALLBACK_BYTES = 32 << 20
 MAX_POSTED = 64
@@ -87,9 +87,8 @@ def ring_checksums(ring: list[torch.Tensor], used: int) -> list[int]:
 
 def percentiles_us(samples: list[float]) -> dict[str, float]:
     """p50, p99 and p99.9 of `samples` (seconds) in microseconds, nearest rank (splitserve.stats)."""
-    return {
-        f"p{name}_us": percentile(samples, q) * 1e6 for name, q in (("50", 50), ("99", 99), ("999", 99.9))
-    }
+    p50, p99, p999 = percentiles(samples, (50, 99, 99.9))
+    return {"p50_us": p50 * 1e6, "p99_us": p99 * 1e6, "p999_us": p999 * 1e6}
 
 
 def memcpy_gbps(size: int, duration_s: float, ring_bytes: int | None = None, device: str = "cpu") -> float:
