@@ -15,7 +15,10 @@ With NIXL's progress thread off (the default), nothing would progress P's agent 
 the first READ's endpoint wire-up needs P's side to answer (as the push's first READ did, session
 20); so while P holds a pull session (`MappedPool.hold`: from Reserved to KVAck) its loop
 progresses the agent every PROGRESS_TICK_S, and not otherwise (an idle P that ticked for life used
-4% of a core; D, which only reads, never ticks).
+4% of a core; D, which only reads, never ticks). An aborted session keeps the ticks going for its
+lease after it ended: D may have READs in flight it posted before it heard of the abort, and it
+waits for every one of them before it frees its blocks (a READ left without P's progress never
+completed, and D's blocks stayed held for good); D posts none later than its own lease allows.
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class NixlRma:
     def __init__(self, transport: NixlTransport) -> None:
         self.transport = transport
         self._serving = 0  # pull sessions a peer may be reading in (`serve`)
+        self._linger_until = 0.0  # loop time: keep progressing until then with no session served
         self._tick: asyncio.TimerHandle | None = None
         self._reading: Counter[str] = Counter()  # remote agent -> READs of ours in flight from it
         self._forget: set[str] = set()  # remote agents to forget once their READs ended
@@ -104,20 +108,32 @@ class NixlRma:
             raise ValueError("an RMA region must be contiguous")
         return NixlRegion(self, tensor)
 
-    def serve(self, delta: int) -> None:
+    def serve(self, delta: int, linger_s: float = 0.0) -> None:
         """Count the pull sessions a peer may be reading our memory in (+1 when one starts, -1 when
-        it ends); while any is, and NIXL's own thread is off, the agent is progressed every tick
-        (see the module docstring)."""
+        it ends; an ending one passes `linger_s`, how long its reader may still have READs in
+        flight); while any is, or lingers, and NIXL's own thread is off, the agent is progressed
+        every tick (see the module docstring)."""
+        loop = asyncio.get_running_loop()
         self._serving += delta
+        self._linger_until = max(self._linger_until, loop.time() + linger_s)
         if self._serving > 0 and self._tick is None and not self.transport.settings.progress_thread:
-            self._tick = asyncio.get_running_loop().call_later(PROGRESS_TICK_S, self._progress)
-        elif self._serving <= 0 and self._tick is not None:
+            self._tick = loop.call_later(PROGRESS_TICK_S, self._progress)
+        elif not self._needs_progress(loop) and self._tick is not None:
             self._tick.cancel()
             self._tick = None
 
+    @property
+    def progressing(self) -> bool:
+        """Whether this loop progresses the agent now (a pull session served or lingering)."""
+        return self._tick is not None
+
+    def _needs_progress(self, loop: asyncio.AbstractEventLoop) -> bool:
+        return self._serving > 0 or loop.time() < self._linger_until
+
     def _progress(self) -> None:
         self.transport.agent.get_new_notifs()  # progresses the agent's UCX workers
-        self._tick = asyncio.get_running_loop().call_later(PROGRESS_TICK_S, self._progress)
+        loop = asyncio.get_running_loop()
+        self._tick = loop.call_later(PROGRESS_TICK_S, self._progress) if self._needs_progress(loop) else None
 
     def get(
         self, rkey: NixlRemoteKey, runs: Sequence[GetRun], local: NixlRegion | None = None

@@ -74,9 +74,10 @@ class MappedPool:
         """What a reader needs, for the control plane."""
         return PoolSource(self.region.rkey, self.region.address, self.region.length)
 
-    def hold(self, delta: int) -> None:
-        """A pull session a peer reads this pool in starts (+1) or ends (-1) (`PullSendSession`)."""
-        self.rma.serve(delta)
+    def hold(self, delta: int, linger_s: float = 0.0) -> None:
+        """A pull session a peer reads this pool in starts (+1) or ends (-1, its reader may still
+        read for `linger_s`) (`PullSendSession`)."""
+        self.rma.serve(delta, linger_s)
 
     def close(self) -> None:
         self.region.close()
@@ -106,7 +107,8 @@ class PullSendSession(SourceSession):
         super()._end(state, result)
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            pool.hold(-1)
+            # acknowledged: every read of D's landed; otherwise D may read until its lease ends
+            pool.hold(-1, 0.0 if state is SessionState.DONE else self.config.lease_s)
 
     async def _finish_abort(self) -> None:
         self._release_once()

@@ -228,7 +228,7 @@ class Rma:
             raise ValueError("an RMA region must be contiguous")
         return MemRegion(self.context, tensor)
 
-    def serve(self, delta: int) -> None:
+    def serve(self, delta: int, linger_s: float = 0.0) -> None:
         """A pull session a peer may read our memory in starts (+1) or ends (-1). Nothing to do:
         UCXX's progress thread answers a reader's wire-up (kvtransfer.nixl_rma has to)."""
 

@@ -85,6 +85,28 @@ async def test_an_idle_connected_pair_leaves_the_cores_alone() -> None:
         await p.close()
 
 
+async def test_a_pull_source_progresses_its_agent_until_its_reader_can_read_no_more() -> None:
+    """P's loop progresses its agent while a pull session is served; an acknowledged one stops it at
+    once (every READ of D's landed), an aborted one only after its lease: D may still have READs in
+    flight it posted before it heard, and they complete only with P's progress."""
+    transport = NixlTransport(LAYOUT, NixlSettings())
+    await transport.start()
+    try:
+        rma = transport.rma
+        rma.serve(+1)
+        assert rma.progressing
+        rma.serve(-1)  # acknowledged
+        assert not rma.progressing
+        rma.serve(+1)
+        rma.serve(-1, linger_s=0.2)  # aborted, with a 0.2 s lease
+        assert rma.progressing
+        lingered = time.monotonic()
+        await _until(lambda: not rma.progressing, "the linger ends")
+        assert time.monotonic() - lingered >= 0.15
+    finally:
+        await transport.close()
+
+
 async def test_wrong_key_is_refused_before_any_nixl_metadata_moves() -> None:
     listener, other = NixlTransport(LAYOUT), NixlTransport(LAYOUT)
     await listener.start()

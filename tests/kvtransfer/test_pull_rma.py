@@ -112,11 +112,17 @@ async def test_checksum_mismatch_aborts_and_frees(pair: Pair) -> None:
     await pair.pools_free()
 
 
-async def test_abort_mid_transfer_and_lease_expiry_free_both_pools(pair: Pair) -> None:
+async def test_abort_mid_transfer_and_lease_expiry_free_both_pools(
+    own_agents: tuple[SpawnedAgent, SpawnedAgent],
+) -> None:
+    # A fresh pair: D's first reads wire its endpoint up, which needs P's progress, and P aborts
+    # while they may be in flight. D's abort waits for them (NIXL's READs hung when P stopped
+    # progressing its agent as its last session ended: three runs in four).
+    pair = await connect_pair(*own_agents)
     source, _ = await open_pull(pair, "abort")
     await pull_pull(pair, "abort", 0, source["src_ids"][:8])
     assert (await pair.send.call("abort", rid="abort", gen=0))["state"] == "aborted"
-    assert (await pair.recv.call("abort", rid="abort", gen=0))["state"] == "aborted"
+    assert (await pair.recv.call("abort", rid="abort", gen=0, timeout=30))["state"] == "aborted"
     # Lease: neither side hears from the other after the first chunk.
     lease = {"lease_s": 0.5}
     source, _ = await open_pull(pair, "lease", config=lease)
@@ -124,6 +130,8 @@ async def test_abort_mid_transfer_and_lease_expiry_free_both_pools(pair: Pair) -
     assert (await pair.recv.call("wait_recv", rid="lease", gen=0))["reason"] == "lease expired"
     assert (await pair.send.call("wait_send", rid="lease", gen=0))["reason"] == "lease expired"
     await pair.pools_free()
+    pair.recv.close()
+    pair.send.close()
 
 
 @pytest.mark.parametrize("victim", ["sender", "receiver"])
