@@ -10,7 +10,7 @@ Inputs may be Python int sequences, 1-D numpy integer arrays, or CPU torch tenso
 
 from __future__ import annotations
 
-import array
+import struct
 from typing import Any
 
 import numpy as np
@@ -20,19 +20,14 @@ _INT32 = np.dtype("<i4")
 _UINT64 = np.dtype("<u8")
 
 
-def _as_array(values: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    if hasattr(values, "__array__"):  # numpy arrays, torch tensors
-        return np.asarray(values)
-    # Python ints: array.array rejects floats and out-of-range ints instead of truncating them.
-    code = "Q" if dtype.kind == "u" else "q"
-    try:
-        return np.frombuffer(array.array(code, values), dtype=np.dtype(code))
-    except (OverflowError, TypeError) as exc:
-        raise ValueError(f"values must be integers that fit {dtype.name}: {exc}") from None
-
-
-def _pack(values: Any, dtype: np.dtype[Any]) -> bytes:
-    arr = _as_array(values, dtype)
+def _pack(values: Any, dtype: np.dtype[Any], code: str) -> bytes:
+    if not hasattr(values, "__array__"):  # Python ints (the per-step token messages: one or a few)
+        ints = values if isinstance(values, list | tuple | range) else list(values)
+        try:  # struct refuses floats and out-of-range ints instead of truncating them
+            return struct.pack(f"<{len(ints)}{code}", *ints)
+        except struct.error as exc:
+            raise ValueError(f"values must be integers that fit {dtype.name}: {exc}") from None
+    arr = np.asarray(values)  # numpy arrays, torch tensors
     if arr.size == 0:
         return b""
     if arr.ndim != 1:
@@ -56,7 +51,7 @@ def _view(data: bytes, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
 
 def pack_ids(ids: Any) -> bytes:
     """Packs token or block ids as little-endian int32; ValueError if any is outside int32."""
-    return _pack(ids, _INT32)
+    return _pack(ids, _INT32, "i")
 
 
 def ids_array(data: bytes) -> npt.NDArray[np.int32]:
@@ -71,7 +66,7 @@ def unpack_ids(data: bytes) -> list[int]:
 
 def pack_hashes(hashes: Any) -> bytes:
     """Packs 64-bit prefix-cache block hashes as little-endian uint64; ValueError outside [0, 2**64)."""
-    return _pack(hashes, _UINT64)
+    return _pack(hashes, _UINT64, "Q")
 
 
 def unpack_hashes(data: bytes) -> list[int]:

@@ -20,7 +20,7 @@ import itertools
 import json
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import IO
 
@@ -61,6 +61,9 @@ class StepRecord:
         return self.tokens == self.sequences
 
 
+_RECORD_FIELDS = tuple(f.name for f in fields(StepRecord))
+
+
 class StepTrace:
     """Appends `StepRecord`s to ``directory/<worker_id>-<pid>.jsonl``, a line each, flushed per line."""
 
@@ -71,8 +74,8 @@ class StepTrace:
         self._file: IO[str] | None = self.path.open("a", buffering=1)
 
     def write(self, record: StepRecord) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(asdict(record)) + "\n")
+        if self._file is not None:  # not dataclasses.asdict: it deep-copies, 108 us a step on a decode CPU
+            self._file.write(json.dumps({name: getattr(record, name) for name in _RECORD_FIELDS}) + "\n")
 
     def close(self) -> None:
         if self._file is not None:
