@@ -5,16 +5,20 @@ Nothing here touches the network: the directory must hold config.json, either `m
 
 The model identity is a SHA-256 hex digest over, in order, each safetensors file (sorted by name), then
 tokenizer.json, tokenizer_config.json (which holds the chat template), chat_template.jinja, config.json
-and generation_config.json (it adds stop ids) where present; each part is framed by its file name and
-byte length. It depends only on file bytes, so every process that loads the same directory computes
-the same identity.
+and generation_config.json (it adds stop ids) where present; each part is its file name, byte length
+and the SHA-256 digest of its bytes. It depends only on file bytes, so every process that loads the
+same directory computes the same identity. Files are digested on their own threads (hashlib runs
+without the GIL): `model_identity` digests the shards in parallel, `load_model` digests a shard while
+it parses the one it read.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
@@ -84,20 +88,25 @@ def load_model(
 
     model_dir = _existing_dir(model_dir)
     config = load_config(model_dir)
-    hasher = _IdentityHasher()
     raw: dict[str, torch.Tensor] = {}
-    for shard in shard_files(model_dir):
-        data = shard.read_bytes()
-        hasher.section(shard.name, len(data), [data])
-        raw.update(load_safetensors(data))
-        del data
-    hasher.small_files(model_dir)
-    _check_names(config, raw, model_dir)
-    weights = {}
-    for name in list(raw):
-        tensor = raw.pop(name)
-        weights[name] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
-    identity = hasher.hexdigest()
+    digests: list[tuple[str, int, Future[bytes]]] = []
+    with ThreadPoolExecutor(1, thread_name_prefix="identity") as digesting:
+        for shard in shard_files(model_dir):
+            if digests:
+                digests[-1][2].result()  # the previous shard's bytes are let go before the next read
+            data = shard.read_bytes()
+            digests.append((shard.name, len(data), digesting.submit(_digest, shard.name, len(data), [data])))
+            raw.update(load_safetensors(data))
+            del data
+        _check_names(config, raw, model_dir)
+        weights = {}
+        for name in list(raw):
+            tensor = raw.pop(name)
+            weights[name] = tensor.to(
+                device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype
+            )
+        shards = [(name, size, digest.result()) for name, size, digest in digests]
+    identity = _identity(shards, model_dir)
     log.info("model loaded", model_dir=str(model_dir), architecture=config.architecture, identity=identity)
     return LoadedModel(config, weights, identity, model_dir)
 
@@ -129,14 +138,15 @@ def load_tokenizer(model_dir: str | Path) -> Any:
 
 
 def model_identity(model_dir: str | Path) -> str:
-    """The identity `load_model` would report, computed by streaming the files (no tensors built)."""
+    """The identity `load_model` would report, computed by streaming the files (no tensors built);
+    the shards are digested in parallel, a thread each up to the CPU count."""
     model_dir = _existing_dir(model_dir)
-    hasher = _IdentityHasher()
-    for shard in shard_files(model_dir):
-        with shard.open("rb") as f:
-            hasher.section(shard.name, shard.stat().st_size, iter(lambda: f.read(_CHUNK), b""))
-    hasher.small_files(model_dir)
-    return hasher.hexdigest()
+    shards = [(path, path.stat().st_size) for path in shard_files(model_dir)]
+    with ThreadPoolExecutor(min(len(shards), os.cpu_count() or 1), thread_name_prefix="identity") as pool:
+        digests = list(pool.map(lambda shard: _stream_digest(*shard), shards))
+    return _identity(
+        [(path.name, size, digest) for (path, size), digest in zip(shards, digests, strict=True)], model_dir
+    )
 
 
 def shard_files(model_dir: Path) -> list[Path]:
@@ -153,30 +163,35 @@ def shard_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-class _IdentityHasher:
-    """SHA-256 over framed sections: `name NUL length NUL bytes` per file."""
+def _digest(name: str, size: int, chunks: Iterable[bytes]) -> bytes:
+    """SHA-256 of a file's bytes given in `chunks`; OSError when they are not `size` bytes."""
+    sha, seen = hashlib.sha256(), 0
+    for chunk in chunks:
+        sha.update(chunk)
+        seen += len(chunk)
+    if seen != size:
+        raise OSError(f"{name} changed size while being hashed ({size} -> {seen} bytes)")
+    return sha.digest()
 
-    def __init__(self) -> None:
-        self._sha = hashlib.sha256()
 
-    def section(self, name: str, size: int, chunks: Iterable[bytes]) -> None:
-        self._sha.update(f"{name}\0{size}\0".encode())
-        seen = 0
-        for chunk in chunks:
-            self._sha.update(chunk)
-            seen += len(chunk)
-        if seen != size:
-            raise OSError(f"{name} changed size while being hashed ({size} -> {seen} bytes)")
+def _stream_digest(path: Path, size: int) -> bytes:
+    with path.open("rb") as f:
+        return _digest(path.name, size, iter(lambda: f.read(_CHUNK), b""))
 
-    def small_files(self, model_dir: Path) -> None:
-        for name in _IDENTITY_FILES:
-            path = model_dir / name
-            if path.is_file():
-                data = path.read_bytes()
-                self.section(name, len(data), [data])
 
-    def hexdigest(self) -> str:
-        return self._sha.hexdigest()
+def _identity(shards: list[tuple[str, int, bytes]], model_dir: Path) -> str:
+    """The identity from each shard's (name, size, digest) and the small files read now (module
+    docstring)."""
+    parts = list(shards)
+    for name in _IDENTITY_FILES:
+        path = model_dir / name
+        if path.is_file():
+            data = path.read_bytes()
+            parts.append((name, len(data), _digest(name, len(data), [data])))
+    sha = hashlib.sha256()
+    for name, size, digest in parts:
+        sha.update(f"{name}\0{size}\0".encode() + digest)
+    return sha.hexdigest()
 
 
 def _existing_dir(model_dir: str | Path) -> Path:

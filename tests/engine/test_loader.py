@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import subprocess
@@ -247,6 +248,15 @@ def test_sharded_checkpoint_loads_the_same_weights(
     assert loaded.weights.keys() == tensors.keys()
     assert all(torch.equal(loaded.weights[n], t) for n, t in tensors.items())
     assert loaded.identity == model_identity(model_dir) != model_identity(source)
+    # the documented definition (engine/loader.py), computed here in one thread, in order
+    parts = [*shards, "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json"]
+    parts += ["generation_config.json"]
+    sha = hashlib.sha256()
+    for name in parts:
+        if (model_dir / name).is_file():
+            data = (model_dir / name).read_bytes()
+            sha.update(f"{name}\0{len(data)}\0".encode() + hashlib.sha256(data).digest())
+    assert loaded.identity == sha.hexdigest()
 
 
 def test_identity_is_stable_across_processes(tiny_model_dir: Callable[[str], Path]) -> None:
