@@ -44,6 +44,7 @@ import os
 import socket
 import struct
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,7 @@ class _Send:
     region: Region
     buf: torch.Tensor  # alive until the receiver said DONE
     taken: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    end_progress: Callable[[], None] | None = None  # from Reads.sending, called as the send ends
     abandoned: bool = False
 
 
@@ -314,6 +316,8 @@ class NixlPeer(Peer):
         flat = as_bytes(buf)
         region = self._transport.regions.acquire(buf)
         send = self._sends[tag] = _Send(region, buf)
+        # from the RTS on, the receiver may READ (even after a cancel): progressed until it answers
+        send.end_progress = self._transport.reads.sending()
         metadata = b"" if region.serial in self._announced else region.metadata
         if self._transport.regions.whole_storage:  # else every region is new: nothing to remember
             self._announced.add(region.serial)
@@ -322,8 +326,7 @@ class NixlPeer(Peer):
             await asyncio.shield(
                 self._write(_RTS, tag, flat.data_ptr(), flat.numel(), flat.get_device(), metadata)
             )
-            with self._transport.reads.sending():
-                await send.taken
+            await send.taken
         except asyncio.CancelledError:
             if not self.lost and tag in self._sends:
                 # The receiver may be reading `buf` now: keep it until its DONE answers WITHDRAWN.
@@ -351,6 +354,8 @@ class NixlPeer(Peer):
         send = self._sends.pop(tag, None)
         if send is not None:
             self._transport.regions.release(send.region)
+            if send.end_progress is not None:
+                send.end_progress()
 
     # -- one-sided reads (kvtransfer.pull) ---------------------------------------------------------
 

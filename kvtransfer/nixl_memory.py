@@ -8,7 +8,7 @@ import contextlib
 import importlib
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,8 +106,9 @@ class Reads:
     """Watches this process's READs in flight: the event loop checks each one's state every turn
     while any is in flight (progressing NIXL when its progress thread is off), and never otherwise.
     With `progress_sends` (NIXL's progress thread off) it also progresses the agent every turn while
-    a send of ours waits for its READ (`sending`): the peer's READ needs our side's UCX worker to
-    answer its endpoint's wireup, and without a thread nothing else would run it."""
+    a send of ours waits for its READ (`sending`; a cancelled send until the receiver's DONE): the
+    peer's READ needs our side's UCX worker to answer its endpoint's wireup, and without a thread
+    nothing else would run it."""
 
     def __init__(self, agent: Any, progress_sends: bool = False) -> None:
         self.agent = agent
@@ -116,16 +117,23 @@ class Reads:
         self._sending = 0
         self._task: asyncio.Task[None] | None = None
 
-    @contextlib.contextmanager
-    def sending(self) -> Iterator[None]:
-        """Around a send's wait for the receiver's READ."""
+    def sending(self) -> Callable[[], None]:
+        """A send of ours starts waiting for the receiver's READ; call the returned function (once
+        is enough) when no READ of it can be in flight any more: its DONE came, or the peer is gone.
+        Until then the agent is progressed, also after the send was cancelled: a READ the receiver
+        started needs our side to complete, and the receiver waits for it before it answers."""
         self._sending += 1
         if self.progress_sends and self._task is None:
             self._task = asyncio.ensure_future(self._spin())
-        try:
-            yield
-        finally:
-            self._sending -= 1
+        ended = False
+
+        def end() -> None:
+            nonlocal ended
+            if not ended:
+                ended = True
+                self._sending -= 1
+
+        return end
 
     def watch(self, handle: Any, state: str, callback: Callable[[str], None]) -> None:
         """Call `callback("DONE" | "ERR")` on the loop once the transfer ended."""

@@ -217,6 +217,24 @@ async def test_a_cancelled_receive_is_never_read_into(pair: Pair) -> None:
     assert not pair.to_sender._rts  # type: ignore[attr-defined]
 
 
+async def test_a_send_cancelled_while_its_read_is_in_flight_ends_on_both_sides(pair: Pair) -> None:
+    """A fresh pair: the receiver's first READ needs the sender's side to answer its endpoint's
+    wire-up, and the sender's session aborts (the send is cancelled) as its RTS goes out, before or
+    while that READ is in flight. The sender keeps its buffer and progresses its agent until the
+    receiver's DONE: the READ completes, the receive ends, the sender lets the buffer go. (A send
+    cancelled before its RTS was written had never progressed, one cancelled after stopped at the
+    cancel: the READ stayed in flight, 3 runs in 8 here, and both sides held their buffers for good.)"""
+    src = torch.full((4 << 20,), 5, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    posted = pair.to_sender.post_recv(4, dst)
+    sending = asyncio.ensure_future(pair.to_receiver.send(4, src))
+    await _until(lambda: 4 in pair.to_receiver._sends, "the send began")  # type: ignore[attr-defined]
+    sending.cancel()  # the RTS is on its way: WITHDRAWN follows, the receiver's READ may start first
+    await asyncio.gather(sending, return_exceptions=True)
+    assert await asyncio.wait_for(posted.wait(), WAIT_S) and torch.equal(dst, src)
+    await _until(lambda: not pair.to_receiver._sends, "the sender released its buffer")  # type: ignore[attr-defined]
+
+
 async def test_registration_modes(pair: Pair) -> None:
     """storage: the pool's storage is registered once and stays; tensor: nothing outlives its message."""
     pool = torch.randint(0, 256, (16, 4096), dtype=torch.uint8)
