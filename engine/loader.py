@@ -141,12 +141,11 @@ def model_identity(model_dir: str | Path) -> str:
     """The identity `load_model` would report, computed by streaming the files (no tensors built);
     the shards are digested in parallel, a thread each up to the CPU count."""
     model_dir = _existing_dir(model_dir)
-    shards = [(path, path.stat().st_size) for path in shard_files(model_dir)]
-    with ThreadPoolExecutor(min(len(shards), os.cpu_count() or 1), thread_name_prefix="identity") as pool:
-        digests = list(pool.map(lambda shard: _stream_digest(*shard), shards))
-    return _identity(
-        [(path.name, size, digest) for (path, size), digest in zip(shards, digests, strict=True)], model_dir
-    )
+    paths = shard_files(model_dir)
+    sizes = [path.stat().st_size for path in paths]
+    with ThreadPoolExecutor(min(len(paths), os.cpu_count() or 1), thread_name_prefix="identity") as pool:
+        digests = list(pool.map(_stream_digest, paths, sizes))
+    return _identity([(p.name, n, d) for p, n, d in zip(paths, sizes, digests, strict=True)], model_dir)
 
 
 def shard_files(model_dir: Path) -> list[Path]:

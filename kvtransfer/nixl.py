@@ -44,7 +44,6 @@ import os
 import socket
 import struct
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -124,7 +123,6 @@ class _Send:
     region: Region
     buf: torch.Tensor  # alive until the receiver said DONE
     taken: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-    end_progress: Callable[[], None] | None = None  # from Reads.sending, called as the send ends
     abandoned: bool = False
 
 
@@ -316,8 +314,8 @@ class NixlPeer(Peer):
         flat = as_bytes(buf)
         region = self._transport.regions.acquire(buf)
         send = self._sends[tag] = _Send(region, buf)
-        # from the RTS on, the receiver may READ (even after a cancel): progressed until it answers
-        send.end_progress = self._transport.reads.sending()
+        # from the RTS on, the receiver may READ (even after a cancel): progressed until `_finish_send`
+        self._transport.reads.send_started()
         metadata = b"" if region.serial in self._announced else region.metadata
         if self._transport.regions.whole_storage:  # else every region is new: nothing to remember
             self._announced.add(region.serial)
@@ -354,8 +352,7 @@ class NixlPeer(Peer):
         send = self._sends.pop(tag, None)
         if send is not None:
             self._transport.regions.release(send.region)
-            if send.end_progress is not None:
-                send.end_progress()
+            self._transport.reads.send_ended()
 
     # -- one-sided reads (kvtransfer.pull) ---------------------------------------------------------
 

@@ -106,7 +106,7 @@ class Reads:
     """Watches this process's READs in flight: the event loop checks each one's state every turn
     while any is in flight (progressing NIXL when its progress thread is off), and never otherwise.
     With `progress_sends` (NIXL's progress thread off) it also progresses the agent every turn while
-    a send of ours waits for its READ (`sending`; a cancelled send until the receiver's DONE): the
+    a send of ours waits for its READ (`send_started`; a cancelled send until the receiver's DONE): the
     peer's READ needs our side's UCX worker to answer its endpoint's wireup, and without a thread
     nothing else would run it."""
 
@@ -117,23 +117,17 @@ class Reads:
         self._sending = 0
         self._task: asyncio.Task[None] | None = None
 
-    def sending(self) -> Callable[[], None]:
-        """A send of ours starts waiting for the receiver's READ; call the returned function (once
-        is enough) when no READ of it can be in flight any more: its DONE came, or the peer is gone.
-        Until then the agent is progressed, also after the send was cancelled: a READ the receiver
-        started needs our side to complete, and the receiver waits for it before it answers."""
+    def send_started(self) -> None:
+        """A send of ours may be READ from now (its RTS goes out); `send_ended` once no READ of it can
+        be in flight any more: its DONE came, or the peer is gone. Until then the agent is
+        progressed, also after the send was cancelled: a READ the receiver started needs our side to
+        complete, and the receiver waits for it before it answers."""
         self._sending += 1
         if self.progress_sends and self._task is None:
             self._task = asyncio.ensure_future(self._spin())
-        ended = False
 
-        def end() -> None:
-            nonlocal ended
-            if not ended:
-                ended = True
-                self._sending -= 1
-
-        return end
+    def send_ended(self) -> None:
+        self._sending -= 1
 
     def watch(self, handle: Any, state: str, callback: Callable[[str], None]) -> None:
         """Call `callback("DONE" | "ERR")` on the loop once the transfer ended."""
